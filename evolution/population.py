@@ -1,0 +1,126 @@
+"""Population bookkeeping: members by role, ratings, matchmaking and the replacement plan.
+
+Pure Python over `ratings`, `pfsp` and `selection`; the PopulationManager actor is a thin
+shell over `Population`. Member names are never reused: a child gets a fresh name, so
+lineage rows and metrics stay unambiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from evolution.operators import DEFAULT_PARAMS, num_parents
+from evolution.pfsp import match as pfsp_match
+from evolution.ratings import Ratings
+from evolution.selection import choose_operator, tournament, weakest
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One evolution event: `dead` leaves, `child` = operator(parents) takes its place."""
+
+    step: int
+    role: str
+    dead: str
+    child: str
+    parents: tuple[str, ...]
+    operator: str
+    params: dict = field(hash=False)
+    parent_scores: tuple[float, ...]
+    dead_score: float
+    seed: int
+
+
+class Population:
+    """Teachers and students (or, in single mode, one agent that plays both roles)."""
+
+    def __init__(self, mode: str, teachers: int, students: int, seed: int, operators: dict[str, float],
+                 pfsp_weighting: str = "variance", pfsp_p: float = 1.0, tournament_k: int = 2,
+                 child_sigma: float = 25.0 / 3.0) -> None:
+        self.mode = mode
+        self.ratings = Ratings()
+        self.rng = np.random.default_rng(seed)
+        self.operators = dict(operators)
+        self.pfsp_weighting, self.pfsp_p = pfsp_weighting, pfsp_p
+        self.tournament_k, self.child_sigma = tournament_k, child_sigma
+        self.next_id = {"teacher": teachers, "student": students, "agent": 1}
+        if mode == "single":
+            self.teachers, self.students = ["agent-0"], ["agent-0"]
+        else:
+            self.teachers = [f"teacher-{i}" for i in range(teachers)]
+            self.students = [f"student-{i}" for i in range(students)]
+        for m in self.members():
+            self.ratings.add(m)
+
+    def members(self) -> list[str]:
+        return list(dict.fromkeys(self.teachers + self.students))
+
+    def role_of(self, member: str) -> str:
+        if self.mode == "single":
+            return "agent"
+        return "teacher" if member in self.teachers else "student"
+
+    def match(self) -> dict[str, str]:
+        """teacher -> student for this step (PFSP over TrueSkill win probabilities)."""
+        if self.mode == "single":
+            return {self.teachers[0]: self.students[0]}
+        return pfsp_match(self.teachers, self.students, self.ratings, self.rng,
+                          weighting=self.pfsp_weighting, p=self.pfsp_p)
+
+    def record(self, games: list[tuple[str, str, float]]) -> None:
+        """One TrueSkill game per valid task: (teacher, student, solve rate)."""
+        if self.mode == "single":
+            return  # an agent against itself carries no rating information
+        for teacher, student, rho in games:
+            self.ratings.record_game(teacher, student, rho)
+
+    def plan_replacements(self, step: int) -> list[Replacement]:
+        """Replace the weakest teacher and the weakest student (by mu - 3 sigma).
+
+        Parents come from the same sub-population by tournament, excluding the member being
+        replaced; a crossover's second parent is a second tournament without the first.
+        With two members per role only one candidate is left, so a crossover falls back
+        to the member being replaced as second parent (the child still mixes two adapters).
+        The child inherits its first parent's mu, with sigma reset to `child_sigma`.
+        """
+        if self.mode == "single":
+            return []
+        events = []
+        for role, group in (("teacher", self.teachers), ("student", self.students)):
+            if len(group) < 2:
+                continue
+            dead = weakest(group, self.ratings)
+            operator = choose_operator(self.operators, self.rng)
+            first = tournament(group, self.ratings, self.rng, k=self.tournament_k, exclude={dead})
+            parents = [first]
+            if num_parents(operator) == 2:
+                rest = [m for m in group if m not in (dead, first)]
+                parents.append(tournament(rest, self.ratings, self.rng, k=self.tournament_k) if rest else dead)
+            child = f"{role}-{self.next_id[role]}"
+            self.next_id[role] += 1
+            events.append(Replacement(
+                step=step, role=role, dead=dead, child=child, parents=tuple(parents), operator=operator,
+                params=dict(DEFAULT_PARAMS[operator]),
+                parent_scores=tuple(self.ratings.conservative(p) for p in parents),
+                dead_score=self.ratings.conservative(dead), seed=int(self.rng.integers(2**31)),
+            ))
+        for e in events:
+            group = self.teachers if e.role == "teacher" else self.students
+            group[group.index(e.dead)] = e.child
+            self.ratings.add(e.child, mu=self.ratings.mu(e.parents[0]), sigma=self.child_sigma)
+            self.ratings.remove(e.dead)
+        return events
+
+    def state_dict(self) -> dict:
+        return {
+            "teachers": list(self.teachers), "students": list(self.students), "next_id": dict(self.next_id),
+            "ratings": self.ratings.state_dict(), "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.teachers, self.students = list(state["teachers"]), list(state["students"])
+        self.next_id = dict(state["next_id"])
+        self.ratings.load_state_dict(state["ratings"])
+        self.rng.bit_generator.state = state["rng"]

@@ -1,0 +1,175 @@
+"""A frozen causal LM with every target linear replaced by a routed multi-LoRA layer.
+
+The registry maps member names to slots; `route(names)` sets the per-row slots for the
+next forward. Adapters enter and leave as PEFT-format state dicts (see `peft_io`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multilora.layer import MultiLoraLinear, Routing
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The shape every adapter of one model shares."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a local HF causal LM (no hub access), frozen, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+class MultiLoraModel(nn.Module):
+    """`base` with `n_slots` LoRA adapters of one spec, routed per row of a batch."""
+
+    def __init__(self, base: nn.Module, spec: LoraSpec, n_slots: int) -> None:
+        super().__init__()
+        self.base = base
+        self.spec = spec
+        self.n_slots = n_slots
+        self.routing = Routing()
+        self.layers: dict[str, MultiLoraLinear] = {}  # module name in `base` -> layer
+        self.slot_of: dict[str, int] = {}
+        targets = set(spec.target_modules)
+        for name, module in list(base.named_modules()):
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                parent = base.get_submodule(name.rsplit(".", 1)[0])
+                layer = MultiLoraLinear(module, n_slots, spec.rank, spec.scaling, self.routing)
+                setattr(parent, name.rsplit(".", 1)[1], layer)
+                self.layers[name] = layer
+        if not self.layers:
+            raise ValueError(f"no linear module named any of {sorted(targets)} in the base model")
+
+    # ---- registry -------------------------------------------------------------------
+    def add_adapter(self, name: str, state: dict[str, torch.Tensor] | None = None,
+                    generator: torch.Generator | None = None) -> int:
+        """Give `name` a free slot, filled from a PEFT state dict or freshly initialised."""
+        if name in self.slot_of:
+            raise KeyError(f"adapter {name!r} already loaded")
+        free = sorted(set(range(self.n_slots)) - set(self.slot_of.values()))
+        if not free:
+            raise RuntimeError(f"all {self.n_slots} adapter slots are taken ({sorted(self.slot_of)})")
+        self.slot_of[name] = free[0]
+        if state is None:
+            self.init_adapter(name, generator)
+        else:
+            self.set_adapter(name, state)
+        return free[0]
+
+    def remove_adapter(self, name: str) -> None:
+        slot = self.slot_of.pop(name)
+        with torch.no_grad():
+            for layer in self.layers.values():
+                layer.lora_A[slot].zero_()
+                layer.lora_B[slot].zero_()
+                layer.invalidate()
+
+    def rename_adapter(self, old: str, new: str) -> None:
+        self.slot_of[new] = self.slot_of.pop(old)
+
+    def init_adapter(self, name: str, generator: torch.Generator | None = None) -> None:
+        """PEFT's default init: A ~ kaiming-uniform(a=sqrt(5)), B = 0, so dW starts at 0."""
+        slot = self.slot_of[name]
+        with torch.no_grad():
+            for layer in self.layers.values():
+                a = layer.lora_A[slot]
+                bound = 1.0 / math.sqrt(a.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+                a.copy_(torch.rand(a.shape, generator=generator, dtype=a.dtype) * 2 * bound - bound)
+                layer.lora_B[slot].zero_()
+                layer.invalidate()
+
+    def set_adapter(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite adapter `name` from a PEFT-format state dict (all keys must match)."""
+        slot = self.slot_of[name]
+        expected = set(self.peft_keys())
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state))[:3], sorted(set(state) - expected)[:3]
+            raise KeyError(f"adapter {name!r}: keys do not match the model (missing {missing}, unexpected {extra})")
+        with torch.no_grad():
+            for module_name, layer in self.layers.items():
+                for kind, params in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
+                    value = state[f"{PEFT_PREFIX}{module_name}.{kind}.weight"]
+                    if value.shape != params[slot].shape:
+                        raise ValueError(
+                            f"adapter {name!r}: {module_name}.{kind} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(params[slot].shape)}"
+                        )
+                    params[slot].copy_(value)
+                layer.invalidate()
+
+    def export_adapter(self, name: str) -> dict[str, torch.Tensor]:
+        """A detached, contiguous PEFT-format copy of adapter `name`."""
+        slot = self.slot_of[name]
+        state = {}
+        for module_name, layer in self.layers.items():
+            state[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = layer.lora_A[slot].detach().clone()
+            state[f"{PEFT_PREFIX}{module_name}.lora_B.weight"] = layer.lora_B[slot].detach().clone()
+        return state
+
+    def peft_keys(self) -> Iterator[str]:
+        for module_name in self.layers:
+            yield f"{PEFT_PREFIX}{module_name}.lora_A.weight"
+            yield f"{PEFT_PREFIX}{module_name}.lora_B.weight"
+
+    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+        slot = self.slot_of[name]
+        params: list[nn.Parameter] = []
+        for layer in self.layers.values():
+            params += [layer.lora_A[slot], layer.lora_B[slot]]
+        return params
+
+    def set_trainable(self, trainable: bool) -> None:
+        for layer in self.layers.values():
+            layer.lora_A.requires_grad_(trainable)
+            layer.lora_B.requires_grad_(trainable)
+            layer.invalidate()
+
+    def invalidate(self) -> None:
+        for layer in self.layers.values():
+            layer.invalidate()
+
+    # ---- routing --------------------------------------------------------------------
+    def slots_for(self, names: Sequence[str | None]) -> torch.Tensor:
+        if any(n is None for n in names):
+            raise ValueError("every row needs an adapter; route(None) runs the bare base model")
+        try:
+            return torch.tensor([self.slot_of[n] for n in names], dtype=torch.long)
+        except KeyError as e:
+            raise KeyError(f"adapter {e.args[0]!r} is not loaded (loaded: {sorted(self.slot_of)})") from None
+
+    @contextlib.contextmanager
+    def route(self, names: Sequence[str] | None) -> Iterator[None]:
+        """Route row i of the next forwards to adapter names[i] (None: base model only)."""
+        previous = self.routing.slots
+        self.routing.slots = None if names is None else self.slots_for(names)
+        try:
+            yield
+        finally:
+            self.routing.slots = previous
+
+    def forward(self, *args, **kwargs):  # noqa: D401 - plain delegation
+        return self.base(*args, **kwargs)

@@ -1,0 +1,116 @@
+"""Policy-gradient updates of every adapter of a `MultiLoraModel` in one pass.
+
+Each adapter has its own AdamW (so a replaced member's state resets alone) and its own
+gradient-norm clip. One `update` call: recompute the rollout log-probs under the current
+weights (pi_old), then for `epochs` passes over micro-batches of mixed adapters,
+accumulate the clipped policy-gradient loss (`logprobs.clipped_pg_loss`) and take one
+optimizer step per adapter that had rows in the batch. Adapters absent from the batch
+are not stepped at all (AdamW would otherwise move them on stale momentum).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from multilora.logprobs import clipped_pg_loss, pack, token_logprobs
+from multilora.model import MultiLoraModel
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One rollout to learn from: which adapter produced it, the tokens and its advantage."""
+
+    adapter: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    advantage: float
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    micro_batch: int = 8
+    epochs: int = 1
+
+
+class PolicyTrainer:
+    def __init__(self, model: MultiLoraModel, settings: TrainerSettings, pad_id: int) -> None:
+        self.model = model
+        self.settings = settings
+        self.pad_id = pad_id
+        self.optimizers: dict[str, torch.optim.AdamW] = {}
+        model.set_trainable(True)
+
+    def reset_optimizer(self, name: str) -> None:
+        """Fresh AdamW state for `name` (new member, or a child from evolution)."""
+        self.optimizers[name] = torch.optim.AdamW(
+            self.model.adapter_parameters(name), lr=self.settings.lr, weight_decay=self.settings.weight_decay
+        )
+
+    def drop_optimizer(self, name: str) -> None:
+        self.optimizers.pop(name, None)
+
+    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        # Sorting by length keeps padding low; the batches still mix adapters freely.
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
+        mb = self.settings.micro_batch
+        return [order[i:i + mb] for i in range(0, len(order), mb)]
+
+    @torch.no_grad()
+    def _old_logprobs(self, samples: Sequence[TrainSample], batches: list[list[int]]) -> dict[int, torch.Tensor]:
+        old: dict[int, torch.Tensor] = {}
+        for idx in batches:
+            packed = pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], self.pad_id)
+            logp = token_logprobs(self.model, packed, [samples[i].adapter for i in idx])
+            for row, i in enumerate(idx):
+                old[i] = logp[row]
+        return old
+
+    def update(self, samples: Sequence[TrainSample]) -> dict[str, dict[str, float]]:
+        """One policy-gradient update of every adapter in `samples`; per-adapter stats."""
+        samples = [s for s in samples if s.completion_ids]
+        if not samples:
+            return {}
+        for s in samples:
+            if s.adapter not in self.optimizers:
+                self.reset_optimizer(s.adapter)
+        batches = self._micro_batches(samples)
+        old = self._old_logprobs(samples, batches)
+        rows_of: dict[str, int] = defaultdict(int)
+        for s in samples:
+            rows_of[s.adapter] += 1
+        stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.model.train()
+        for _ in range(self.settings.epochs):
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            for idx in batches:
+                adapters = [samples[i].adapter for i in idx]
+                packed = pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], self.pad_id)
+                logp = token_logprobs(self.model, packed, adapters)
+                old_logp = torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
+                adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype)
+                per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
+                # mean over each adapter's rows, summed over adapters: every adapter's
+                # gradient has the same scale whatever its share of the batch
+                weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype)
+                (per_seq * weights).sum().backward()
+                for row, a in enumerate(adapters):
+                    stats[a]["loss"] += float(per_seq[row]) / rows_of[a] / self.settings.epochs
+            for name in rows_of:
+                params = self.model.adapter_parameters(name)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm)
+                stats[name]["grad_norm"] = float(norm)
+                self.optimizers[name].step()
+        self.model.eval()
+        self.model.invalidate()
+        for name, n in rows_of.items():
+            stats[name]["samples"] = float(n)
+        return {k: dict(v) for k, v in stats.items()}
