@@ -1,0 +1,42 @@
+"""Task buffers: valid tasks per type, seeded from `driver.seeds`, sampled as references.
+
+Each buffer is a bounded FIFO (the oldest proposals leave first); the seed tasks are kept
+apart and never evicted, so every step has references even after a bad stretch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from driver.records import Task
+
+
+class TaskBuffer:
+    def __init__(self, seeds: dict[str, list[Task]], capacity: int) -> None:
+        self.seeds = {t: list(v) for t, v in seeds.items()}
+        self.proposed: dict[str, deque[Task]] = {t: deque(maxlen=capacity) for t in seeds}
+
+    def add(self, task: Task) -> None:
+        self.proposed[task.task_type].append(task)
+
+    def tasks(self, task_type: str) -> list[Task]:
+        return self.seeds[task_type] + list(self.proposed[task_type])
+
+    def sample(self, task_type: str, k: int, rng: np.random.Generator) -> list[Task]:
+        pool = self.tasks(task_type)
+        idx = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
+        return [pool[i] for i in idx]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.proposed.values())
+
+    def state_dict(self) -> dict:
+        return {"seeds": self.seeds, "proposed": {t: list(v) for t, v in self.proposed.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seeds = {t: list(v) for t, v in state["seeds"].items()}
+        for t, tasks in state["proposed"].items():
+            self.proposed[t].clear()
+            self.proposed[t].extend(tasks)

@@ -1,0 +1,55 @@
+"""`populora` / `python -m driver`: the command line of the job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from driver.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="populora", description="PopuLoRA on Ray: population self-play RL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a population (or the single-agent baseline)")
+    train.add_argument("--config", default="configs/local.yaml", help="YAML config (default: %(default)s)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, e.g. --set population.teachers=4 (repeatable)")
+    train.add_argument("--log-level", default="INFO")
+    check = sub.add_parser("check-config", help="validate a config and print it")
+    check.add_argument("--config", default="configs/local.yaml")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prepare = sub.add_parser("prepare-model", help="convert the embedded GGUF model(s) to safetensors once")
+    prepare.add_argument("names", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "prepare-model":
+        from multilora.embedded import EMBEDDED_MODELS, prepare
+
+        for name in args.names or EMBEDDED_MODELS:
+            print(prepare(name))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"populora: config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from driver.loop import train
+
+    path = train(cfg)
+    print(f"run written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""One validated config tree for a run: YAML file plus dotted overrides.
+
+Every hyperparameter lives here (CleanRL habit). `load_config` checks keys, types and
+paths before any work starts and raises `ConfigError` with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line that names the offending key."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "local"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = 8
+    overwrite: bool = True
+
+
+@dataclass
+class ModelConfig:
+    # "embedded:smollm2-135m-instruct", "embedded:tiny-llama", or a local HF model directory
+    path: str = "embedded:smollm2-135m-instruct"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class PopulationConfig:
+    mode: str = "population"  # "population" or "single" (AZR baseline: one adapter, both roles)
+    teachers: int = 2
+    students: int = 2
+    evolve_every: int = 2  # K: replace the weakest teacher and student every K steps (0: never)
+    operators: dict[str, float] = field(
+        default_factory=lambda: {"gaussian": 0.25, "singular_value": 0.25, "layer_swap": 0.25, "svd_merge": 0.25}
+    )
+    tournament_k: int = 2
+    child_sigma: float = 25.0 / 3.0
+    pfsp_weighting: str = "variance"  # f(x) = x(1-x); "hard": (1-x)^p
+    pfsp_p: float = 1.0
+
+
+@dataclass
+class TasksConfig:
+    types: list[str] = field(default_factory=lambda: ["code_i", "code_o", "code_f"])
+    proposals_per_type: int = 2  # per teacher per step
+    rollouts: int = 2  # n: student samples per valid task
+    references: int = 2  # reference programs shown in a teacher prompt
+    induction_inputs: int = 4  # inputs a teacher writes for a code_f task
+    induction_shown: int = 2  # of which the student sees this many; the rest are held out
+    propose_max_new_tokens: int = 192
+    solve_max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 0.95
+    buffer_size: int = 256
+
+
+@dataclass
+class VerifierConfig:
+    min_workers: int = 2
+    max_workers: int = 2
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    chunk_size: int = 8
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    micro_batch: int = 8
+    epochs: int = 1
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = "hf"  # "hf" or "vllm"
+    max_batch: int = 32
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # empty: start an embedded Ray; "auto": join a running cluster
+    num_cpus: int = 0  # 0: Ray's own count (embedded only)
+    dashboard: bool = False
+    actor_cpus: float = 0.0  # logical CPUs reserved by the inference server and the learner
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "population.mode": ("population", "single"),
+    "population.pfsp_weighting": ("variance", "hard"),
+    "inference.backend": ("hf", "vllm"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+}
+_TASK_TYPES = ("code_i", "code_o", "code_f")
+_EVOLUTION_OPERATORS = ("gaussian", "singular_value", "subspace_rotation", "layer_swap", "module_swap", "svd_merge")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a type hint; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        k_hint, v_hint = typing.get_args(hint)
+        return {_coerce(k, k_hint, key): _coerce(v, v_hint, f"{key}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool) or (hint in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    if not isinstance(value, hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{dotted}: unknown key (known: {', '.join(sorted(names))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: expected a mapping, got {type(value).__name__} {value!r}")
+            kwargs[key] = _build(hint, value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"{text}: an override must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides (values parsed as YAML) to a nested dict, in order."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def _validate(cfg: Config) -> None:
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value!r}")
+
+    for key, choices in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
+    for key in ("run.steps", "lora.rank", "tasks.proposals_per_type", "tasks.rollouts", "tasks.induction_inputs",
+                "tasks.propose_max_new_tokens", "tasks.solve_max_new_tokens", "verifier.min_workers",
+                "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb", "learner.lr",
+                "learner.micro_batch", "learner.epochs", "inference.max_batch", "tasks.buffer_size"):
+        section, name = key.split(".")
+        positive(key, getattr(getattr(cfg, section), name))
+    if cfg.verifier.max_workers < cfg.verifier.min_workers:
+        raise ConfigError(f"verifier.max_workers: must be >= verifier.min_workers ({cfg.verifier.min_workers})")
+    if not cfg.tasks.types:
+        raise ConfigError("tasks.types: at least one task type is needed")
+    for t in cfg.tasks.types:
+        if t not in _TASK_TYPES:
+            raise ConfigError(f"tasks.types: unknown task type {t!r} (known: {', '.join(_TASK_TYPES)})")
+    if not 1 <= cfg.tasks.induction_shown < cfg.tasks.induction_inputs:
+        raise ConfigError("tasks.induction_shown: must be >= 1 and < tasks.induction_inputs")
+    if not 0 < cfg.tasks.top_p <= 1:
+        raise ConfigError(f"tasks.top_p: must be in (0, 1], got {cfg.tasks.top_p!r}")
+    if cfg.tasks.temperature < 0:
+        raise ConfigError(f"tasks.temperature: must be >= 0, got {cfg.tasks.temperature!r}")
+    if cfg.population.mode == "population":
+        positive("population.teachers", cfg.population.teachers)
+        positive("population.students", cfg.population.students)
+    if cfg.population.evolve_every < 0:
+        raise ConfigError(f"population.evolve_every: must be >= 0, got {cfg.population.evolve_every!r}")
+    if not cfg.population.operators:
+        raise ConfigError("population.operators: at least one operator is needed")
+    for name, weight in cfg.population.operators.items():
+        if name not in _EVOLUTION_OPERATORS:
+            raise ConfigError(
+                f"population.operators.{name}: unknown operator (known: {', '.join(_EVOLUTION_OPERATORS)})"
+            )
+        if weight < 0:
+            raise ConfigError(f"population.operators.{name}: weight must be >= 0, got {weight!r}")
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(f"run.name: must be a non-empty name without '/', got {cfg.run.name!r}")
+    _validate_model_path(cfg.model.path)
+
+
+def _validate_model_path(path: str) -> None:
+    from multilora.embedded import EMBEDDED_MODELS
+
+    if path.startswith("embedded:"):
+        name = path.split(":", 1)[1]
+        if name not in EMBEDDED_MODELS:
+            raise ConfigError(f"model.path: unknown embedded model {name!r} (known: {', '.join(EMBEDDED_MODELS)})")
+        return
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"model.path: {path!r} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} has no config.json (a Hugging Face model directory is expected)")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply dotted overrides, validate. Raises ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: no such file {str(p)!r}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {p} must hold a mapping at the top level")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    cfg = _build(Config, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a validated Config from `Config.to_dict()` output (checkpoints, run dirs)."""
+    cfg = _build(Config, data, "")
+    _validate(cfg)
+    return cfg
+

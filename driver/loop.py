@@ -1,0 +1,339 @@
+"""The training job: one function per step, five phases, read top to bottom.
+
+    1. Match    PopulationManager pairs each teacher with a student (TrueSkill + PFSP).
+    2. Propose  teachers write code_i / code_o / code_f tasks; the verifier keeps the valid ones.
+    3. Solve    each matched student answers every valid task `n` times; the verifier scores.
+    4. Update   rewards -> group-normalised advantages -> one policy-gradient step for
+                every adapter; new adapters go learner -> object store -> inference server.
+    5. Evolve   every K steps the weakest teacher and student are replaced by children.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+from tqdm import tqdm
+
+from driver.buffer import TaskBuffer
+from driver.config import Config
+from driver.extraction import extract_answer, parse_proposal
+from driver.prompts import student_prompt, teacher_prompt
+from driver.records import Proposal, Rollout, Task
+from driver.rewards import group_advantages, student_reward, teacher_reward
+from driver.run_dir import RunDir
+from driver.seeds import SEED_PROGRAMS
+from driver.session import Actors, create_actors, start_ray, stop_actors
+from multilora.generation import SamplingParams
+from multilora.peft_io import save_adapter
+from multilora.trainer import TrainSample
+from verifier_sandbox import complexity
+
+log = logging.getLogger(__name__)
+
+PHASES = ("match", "propose", "solve", "update", "evolve")
+
+
+@dataclass
+class StepContext:
+    cfg: Config
+    actors: Actors
+    buffer: TaskBuffer
+    rng: np.random.Generator
+    run: RunDir
+    bar: tqdm
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.bar.set_postfix_str(f"phase={name}", refresh=True)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+
+
+# ---- the step --------------------------------------------------------------------------
+def train_step(step: int, ctx: StepContext) -> dict[str, float]:
+    cfg, actors = ctx.cfg, ctx.actors
+    ctx.seconds = {}
+    with ctx.phase("match"):
+        matches: dict[str, str] = ray.get(actors.population.match.remote())
+
+    with ctx.phase("propose"):
+        proposals = propose(ctx, list(matches), step)
+    tasks = [p.task for p in proposals if p.task is not None]
+
+    with ctx.phase("solve"):
+        rollouts = solve(ctx, tasks, matches)
+    solve_rates = task_solve_rates(tasks, rollouts)
+
+    with ctx.phase("update"):
+        teacher_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
+        stats = update(ctx, proposals, teacher_rewards, rollouts)
+        ray.get(actors.population.record.remote(
+            [(t.teacher, matches[t.teacher], solve_rates[id(t)]) for t in tasks]))
+        for t in tasks:
+            ctx.buffer.add(t)
+
+    with ctx.phase("evolve"):
+        events = evolve(ctx, step) if cfg.population.evolve_every and step % cfg.population.evolve_every == 0 else []
+
+    return record_step(ctx, step, matches, proposals, teacher_rewards, tasks, solve_rates, rollouts, stats, events)
+
+
+# ---- phases ----------------------------------------------------------------------------
+def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
+    """Every teacher writes `proposals_per_type` tasks of each type; the verifier validates."""
+    t = ctx.cfg.tasks
+    params = SamplingParams(temperature=t.temperature, top_p=t.top_p, max_new_tokens=t.propose_max_new_tokens,
+                            stop=("</answer>",))
+    jobs = []  # (teacher, task_type, references)
+    for teacher in teachers:
+        for task_type in t.types:
+            for _ in range(t.proposals_per_type):
+                k = 1 if task_type == "code_f" else t.references
+                jobs.append((teacher, task_type, ctx.buffer.sample(task_type, k, ctx.rng)))
+    prompts = [teacher_prompt(tt, refs, t.induction_inputs) for _, tt, refs in jobs]
+    outputs = ray.get(ctx.actors.inference.generate.remote(
+        [j[0] for j in jobs], prompts, [params] * len(jobs)))
+    parsed = [parse_proposal(tt, out.completions[0].text, t.induction_inputs) for (_, tt, _), out in zip(jobs, outputs)]
+    requests, asked = [], []
+    for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
+        if p.error is not None:
+            continue
+        if task_type == "code_f":  # the program is the reference's; the teacher chose inputs
+            requests.append({"task_type": "code_f", "program": refs[0].program, "inputs": list(p.inputs)})
+        else:
+            requests.append({"task_type": task_type, "program": p.program, "input": p.input})
+        asked.append(i)
+    verdicts = dict(zip(asked, ctx.actors.verifier.validate(requests))) if requests else {}
+    proposals = []
+    for i, ((teacher, task_type, refs), p, out) in enumerate(zip(jobs, parsed, outputs)):
+        v = verdicts.get(i)
+        valid = bool(v and v.get("valid"))
+        program = refs[0].program if task_type == "code_f" else p.program
+        task = None
+        if valid:
+            if task_type == "code_f":
+                task = Task(task_type, program, inputs=tuple(p.inputs), outputs=tuple(v["outputs"]),
+                            message=p.message, shown=t.induction_shown, teacher=teacher, step=step)
+            else:
+                task = Task(task_type, program, input=p.input, output=v["output"], teacher=teacher, step=step)
+        reason = p.error if p.error is not None else (None if valid else (v or {}).get("reason", "invalid"))
+        c = out.completions[0]
+        proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, c.text, program, p.input,
+                                  tuple(p.inputs), p.message, valid, reason, task))
+    return proposals
+
+
+def solve(ctx: StepContext, tasks: list[Task], matches: dict[str, str]) -> list[Rollout]:
+    """The matched student answers each valid task `rollouts` times; the verifier scores."""
+    if not tasks:
+        return []
+    t = ctx.cfg.tasks
+    params = SamplingParams(temperature=t.temperature, top_p=t.top_p, max_new_tokens=t.solve_max_new_tokens,
+                            stop=("</answer>",), n=t.rollouts)
+    students = [matches[task.teacher] for task in tasks]
+    outputs = ray.get(ctx.actors.inference.generate.remote(
+        students, [student_prompt(task) for task in tasks], [params] * len(tasks)))
+    attempts, requests = [], []  # (task index, student, prompt ids, completion, answer)
+    for i, (task, student, out) in enumerate(zip(tasks, students, outputs)):
+        for c in out.completions:
+            answer = extract_answer(c.text)
+            attempts.append((i, student, out.prompt_ids, c, answer))
+            if answer is not None:
+                requests.append(check_request(task, answer))
+    verdicts = iter(ctx.actors.verifier.check(requests) if requests else [])
+    rollouts = []
+    for i, student, prompt_ids, c, answer in attempts:
+        verdict = next(verdicts) if answer is not None else {"correct": False, "reason": "malformed"}
+        correct = bool(verdict.get("correct"))
+        malformed = not correct and verdict.get("reason") == "malformed"
+        rollouts.append(Rollout(student, i, prompt_ids, c.token_ids, answer, correct, malformed,
+                                student_reward(correct, malformed)))
+    return rollouts
+
+
+def check_request(task: Task, answer: str) -> dict:
+    if task.task_type == "code_f":  # only the held-out pairs decide
+        return {"task_type": "code_f", "program": task.program, "inputs": list(task.inputs[task.shown:]),
+                "outputs": list(task.outputs[task.shown:]), "answer": answer}
+    return {"task_type": task.task_type, "program": task.program, "input": task.input, "output": task.output,
+            "answer": answer}
+
+
+def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> dict[int, float]:
+    """rho(t, s, p) per task, keyed by id(task)."""
+    correct: dict[int, list[bool]] = defaultdict(list)
+    for r in rollouts:
+        correct[r.task_index].append(r.correct)
+    return {id(task): float(np.mean(correct[i])) if correct[i] else 0.0 for i, task in enumerate(tasks)}
+
+
+def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[float],
+           rollouts: list[Rollout]) -> dict[str, dict[str, float]]:
+    """Group-normalised advantages, one learner step, then adapter sync via the object store."""
+    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r)
+            for p, r in zip(proposals, teacher_rewards)]
+    tasks = [p.task for p in proposals if p.task is not None]
+    rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward)
+             for r in rollouts]
+    advantages = group_advantages([row[5] for row in rows], [row[:3] for row in rows])
+    samples = [TrainSample(adapter, prompt, completion, adv)
+               for (adapter, _, _, prompt, completion, _), adv in zip(rows, advantages)]
+    actors = ctx.actors
+    stats = ray.get(actors.learner.update.remote(samples))
+    # the ObjectRef goes straight to the inference server: tensors never visit the driver
+    ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+    return stats
+
+
+def evolve(ctx: StepContext, step: int) -> list:
+    """Replace the weakest teacher and student by children made in LoRA weight space."""
+    actors = ctx.actors
+    events = ray.get(actors.population.plan_replacements.remote(step))
+    for e in events:
+        ray.get(actors.learner.spawn_child.remote(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed))
+    if events:
+        ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+    return events
+
+
+# ---- records ---------------------------------------------------------------------------
+def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards, tasks, solve_rates,
+                rollouts, stats, events) -> dict[str, float]:
+    ratings = ray.get(ctx.actors.population.ratings.remote())
+    members = ray.get(ctx.actors.population.members.remote())
+    teachers, students = members["teachers"], members["students"]
+    single = ctx.cfg.population.mode == "single"
+    times = {f"time/{k}": ctx.seconds.get(k, 0.0) for k in PHASES}
+    times["time/step"] = sum(ctx.seconds.values())
+    by_teacher, by_student = defaultdict(list), defaultdict(list)
+    for p, r in zip(proposals, teacher_rewards):
+        by_teacher[p.teacher].append((p.valid, r))
+    for r in rollouts:
+        by_student[r.student].append(r)
+    # members that left this step still get their last row (they played it)
+    played = list(dict.fromkeys(list(matches) + list(matches.values()) + teachers + students))
+    metrics = []
+    for m in played:
+        rating = ratings.get(m, {})
+        roles = [r for r, group in (("teacher", by_teacher), ("student", by_student)) if m in group]
+        tp, sr = by_teacher.get(m, []), by_student.get(m, [])
+        metrics.append({
+            "step": step, "member": m,
+            "role": "agent" if single else ("teacher" if m in by_teacher or m in teachers else "student"),
+            "alive": m in teachers or m in students, "roles_played": ",".join(roles),
+            "teacher/valid_rate": float(np.mean([v for v, _ in tp])) if tp else None,
+            "teacher/reward": float(np.mean([r for _, r in tp])) if tp else None,
+            "student/solve_rate": float(np.mean([r.correct for r in sr])) if sr else None,
+            "student/malformed_rate": float(np.mean([r.malformed for r in sr])) if sr else None,
+            "student/reward": float(np.mean([r.reward for r in sr])) if sr else None,
+            "learner/loss": stats.get(m, {}).get("loss"), "learner/grad_norm": stats.get(m, {}).get("grad_norm"),
+            "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
+            "population/conservative": rating.get("conservative"),
+            **times,
+        })
+    ctx.run.append("metrics", metrics)
+    ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in teachers else "student", **r}
+                               for m, r in ratings.items()])
+    rates = {id(t): solve_rates[id(t)] for t in tasks}
+    task_rows = []
+    for p, r in zip(proposals, teacher_rewards):
+        cx = complexity(p.task.program) if p.task is not None else {}
+        task_rows.append({
+            "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
+            "valid": p.valid, "reason": p.reason, "program": p.program, "input": p.input,
+            "output": p.task.output if p.task else None, "inputs": list(p.inputs),
+            "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
+            "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,
+            **{k: cx.get(k) for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
+        })
+    ctx.run.append("tasks", task_rows)
+    ctx.run.append("lineage", [{
+        "step": e.step, "role": e.role, "child": e.child, "replaced": e.dead, "parents": list(e.parents),
+        "operator": e.operator, "params": json.dumps(e.params), "parent_scores": list(e.parent_scores),
+        "replaced_score": e.dead_score, "seed": e.seed,
+    } for e in events])
+    ctx.run.flush()
+    summary = {
+        "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
+        "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
+        "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
+        "tasks": len(tasks), "replaced": len(events), **times,
+    }
+    return summary
+
+
+# ---- the job ---------------------------------------------------------------------------
+def seed_buffer(cfg: Config, actors: Actors) -> TaskBuffer:
+    """Validate the seed programs in the sandbox to get their gold outputs."""
+    io_requests = [{"task_type": "code_o", "program": s.program, "input": inp}
+                   for s in SEED_PROGRAMS for inp in s.inputs]
+    f_requests = [{"task_type": "code_f", "program": s.program, "inputs": list(s.inputs)} for s in SEED_PROGRAMS]
+    results = actors.verifier.validate(io_requests + f_requests)
+    io, fs = results[: len(io_requests)], results[len(io_requests):]
+    pairs = [(r["program"], r["input"], v["output"]) for r, v in zip(io_requests, io) if v.get("valid")]
+    seeds: dict[str, list[Task]] = {}
+    for task_type in cfg.tasks.types:
+        if task_type == "code_f":
+            seeds[task_type] = [
+                Task("code_f", s.program, inputs=tuple(s.inputs), outputs=tuple(v["outputs"]), message=s.message,
+                     shown=cfg.tasks.induction_shown)
+                for s, v in zip(SEED_PROGRAMS, fs) if v.get("valid")
+            ]
+        else:
+            seeds[task_type] = [Task(task_type, prog, input=inp, output=out) for prog, inp, out in pairs]
+    empty = [t for t, v in seeds.items() if not v]
+    if empty:
+        raise RuntimeError(f"no seed program passed the verifier for {empty}: is the sandbox working?")
+    return TaskBuffer(seeds, cfg.tasks.buffer_size)
+
+
+def save_adapters(ctx: StepContext) -> None:
+    states = ray.get(ctx.actors.learner.export_adapters.remote())
+    for member, state in states.items():
+        save_adapter(ctx.run.adapter_dir(member), state, ctx.actors.spec, ctx.cfg.model.path)
+
+
+def train(cfg: Config) -> Path:
+    """Run the configured steps; returns the run directory."""
+    run = RunDir.create(cfg)
+    owns_ray = not ray.is_initialized()
+    start_ray(cfg)
+    actors = create_actors(cfg)
+    try:
+        members = ray.get(actors.population.members.remote())
+        ray.get(actors.learner.init_members.remote(
+            list(dict.fromkeys(members["teachers"] + members["students"])), cfg.run.seed))
+        ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+        buffer = seed_buffer(cfg, actors)
+        bar = tqdm(total=cfg.run.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+                   disable=None)
+        ctx = StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar)
+        for step in range(1, cfg.run.steps + 1):
+            s = train_step(step, ctx)
+            bar.update(1)
+            bar.set_postfix_str(
+                f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f}")
+            log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f tasks %d replaced %d | %s", step,
+                     s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["tasks"], s["replaced"],
+                     " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))
+        bar.close()
+        save_adapters(ctx)
+    finally:
+        stop_actors(actors)
+        if owns_ray:
+            ray.shutdown()
+    return run.path

@@ -1,0 +1,57 @@
+"""The immutable records that flow through a step: tasks, proposals, rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Task:
+    """A valid task with its gold answers (DESIGN.md §4 field conventions).
+
+    code_i / code_o use `input` and `output`; code_f uses `inputs` / `outputs`, of which the
+    first `shown` pairs are shown to the student and the rest are held out for checking.
+    """
+
+    task_type: str
+    program: str
+    input: str | None = None
+    output: str | None = None
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    message: str = ""
+    shown: int = 0
+    teacher: str = "seed"
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One teacher generation, parsed; `task` is set only when the verifier accepted it."""
+
+    teacher: str
+    task_type: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    text: str
+    program: str | None
+    input: str | None
+    inputs: tuple[str, ...]
+    message: str
+    valid: bool
+    reason: str | None
+    task: Task | None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One student attempt at a task, with its verdict and reward."""
+
+    student: str
+    task_index: int  # index into the step's valid tasks
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    answer: str | None
+    correct: bool
+    malformed: bool
+    reward: float

@@ -1,0 +1,51 @@
+"""The run directory (DESIGN.md §4): config echo, parquet tables, PEFT adapters."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from driver.config import Config
+
+TABLES = ("metrics", "tasks", "ratings", "lineage")
+
+
+class RunDir:
+    """Accumulates table rows and rewrites each parquet file atomically after every step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[str, list[dict]] = defaultdict(list)
+
+    @classmethod
+    def create(cls, cfg: Config) -> RunDir:
+        path = Path(cfg.run.output_dir) / cfg.run.name
+        if path.exists():
+            if not cfg.run.overwrite:
+                raise FileExistsError(f"run.name: {path} exists (set run.overwrite=true or pick another name)")
+            shutil.rmtree(path)
+        (path / "adapters").mkdir(parents=True)
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return cls(path)
+
+    def append(self, table: str, rows: list[dict]) -> None:
+        if table not in TABLES:
+            raise KeyError(f"unknown table {table!r} (known: {', '.join(TABLES)})")
+        self.rows[table].extend(rows)
+
+    def flush(self) -> None:
+        for table in TABLES:
+            rows = self.rows.get(table, [])
+            target = self.path / f"{table}.parquet"
+            tmp = target.with_suffix(".parquet.tmp")
+            pq.write_table(pa.Table.from_pylist(rows) if rows else pa.table({}), tmp)
+            os.replace(tmp, target)
+
+    def adapter_dir(self, member: str) -> Path:
+        return self.path / "adapters" / member

@@ -1,0 +1,103 @@
+"""Starting Ray and the actors of one run."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+
+from actors.inference import InferenceServer
+from actors.learner import Learner
+from actors.population import PopulationManager
+from actors.verifier import VerifierPool
+from driver.config import Config
+from multilora.embedded import resolve_model_path
+from multilora.model import LoraSpec
+from multilora.trainer import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+# Actors run offline and quietly: no hub lookups, no per-load progress bars.
+_ACTOR_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `ray.address`, or start an embedded Ray offering the `verifier` resource."""
+    runtime_env = {"env_vars": _ACTOR_ENV}
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    # The verifier workers reserve one logical CPU each; the heavy actors reserve
+    # `ray.actor_cpus` (0 on one machine: phases run one after the other).
+    cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.verifier.max_workers)
+    ray.init(
+        num_cpus=cpus,
+        resources={"verifier": cfg.verifier.max_workers},
+        include_dashboard=cfg.ray.dashboard,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level=logging.WARNING,
+    )
+
+
+@dataclass
+class Actors:
+    inference: ray.actor.ActorHandle
+    learner: ray.actor.ActorHandle
+    population: ray.actor.ActorHandle
+    verifier: VerifierPool
+    model_path: str
+    spec: LoraSpec
+
+
+def lora_spec(cfg: Config) -> LoraSpec:
+    return LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=tuple(cfg.lora.target_modules))
+
+
+def n_slots(cfg: Config) -> int:
+    return 1 if cfg.population.mode == "single" else cfg.population.teachers + cfg.population.students
+
+
+def create_actors(cfg: Config) -> Actors:
+    model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
+    spec = lora_spec(cfg)
+    threads = 0 if cfg.ray.address else (os.cpu_count() or 1)  # a cluster node sets its own
+    heavy = {"num_cpus": cfg.ray.actor_cpus}
+    inference = InferenceServer.options(name="InferenceServer", **heavy).remote(
+        cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
+        cfg.run.seed, threads,
+    )
+    settings = TrainerSettings(
+        lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
+        max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
+    )
+    learner = Learner.options(name="Learner", **heavy).remote(
+        model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads
+    )
+    p = cfg.population
+    population = PopulationManager.options(name="PopulationManager", num_cpus=0).remote(
+        mode=p.mode, teachers=p.teachers, students=p.students, seed=cfg.run.seed, operators=p.operators,
+        pfsp_weighting=p.pfsp_weighting, pfsp_p=p.pfsp_p, tournament_k=p.tournament_k, child_sigma=p.child_sigma,
+    )
+    v = cfg.verifier
+    pool = VerifierPool(min_workers=v.min_workers, max_workers=v.max_workers, chunk_size=v.chunk_size,
+                        timeout_s=v.timeout_s, memory_mb=v.memory_mb)
+    ray.get([inference.ready.remote()])
+    return Actors(inference, learner, population, pool, model_path, spec)
+
+
+def stop_actors(actors: Actors) -> None:
+    actors.verifier.shutdown()
+    for handle in (actors.inference, actors.learner, actors.population):
+        ray.kill(handle)

@@ -1,0 +1,51 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driver.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_configs_load():
+    for name in ("local.yaml", "test.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.population.teachers == 2 and cfg.lora.rank == 8
+
+
+def test_dotted_overrides():
+    cfg = load_config(ROOT / "configs/test.yaml", ["population.teachers=4", "run.steps=7", "learner.lr=0.5"])
+    assert (cfg.population.teachers, cfg.run.steps, cfg.learner.lr) == (4, 7, 0.5)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("population.teacher=3", "population.teacher: unknown key"),
+    ("popul.teachers=3", "popul: unknown key"),
+    ("population.teachers=many", "population.teachers: expected int"),
+    ("learner.lr=[1]", "learner.lr: expected float"),
+    ("model.path=/nonexistent/model", "model.path:"),
+    ("inference.backend=tgi", "inference.backend: must be one of"),
+    ("tasks.types=[code_x]", "tasks.types: unknown task type"),
+    ("population.operators.flip=1.0", "population.operators.flip: unknown operator"),
+    ("run.steps=0", "run.steps: must be > 0"),
+])
+def test_bad_config_names_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/test.yaml", [override])
+    assert str(err.value).startswith(key), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "driver", "train", "--config", str(ROOT / "configs/test.yaml"),
+                           "--set", "population.teachers=x"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "population.teachers" in lines[0], proc.stderr
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="--config: no such file"):
+        load_config("does/not/exist.yaml")

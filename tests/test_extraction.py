@@ -1,0 +1,44 @@
+from driver.extraction import extract_answer, parse_proposal
+
+PROPOSAL = """Sure.
+<answer>
+```python
+def f(xs, k):
+    return sorted(xs)[:k]
+```
+```input
+[3, 1, 2], 2
+```
+</answer>"""
+
+
+def test_extract_answer_takes_last_block_and_unwraps_a_fence():
+    assert extract_answer("<answer>1</answer> then <answer> [1, 2] </answer>") == "[1, 2]"
+    assert extract_answer("<answer>\n```python\ndef f(x):\n    return x\n```\n</answer>") == "def f(x):\n    return x"
+
+
+def test_extract_answer_none_when_malformed():
+    assert extract_answer("no tags at all") is None
+    assert extract_answer("<answer>unterminated") is None
+    assert extract_answer("") is None
+
+
+def test_parse_proposal_code_o():
+    p = parse_proposal("code_o", PROPOSAL)
+    assert p.error is None
+    assert p.program.startswith("def f(xs, k):")
+    assert p.input == "[3, 1, 2], 2"
+
+
+def test_parse_proposal_rejects_missing_parts():
+    assert parse_proposal("code_i", "def f(x): return x").error.startswith("malformed: no <answer>")
+    assert "no ```input" in parse_proposal("code_i", "<answer>```python\ndef f(x):\n    return x\n```</answer>").error
+    assert "defining f" in parse_proposal("code_o", "<answer>```input\n1\n```</answer>").error
+
+
+def test_parse_proposal_code_f_needs_distinct_inputs_and_reads_message():
+    text = "<answer>" + "".join(f"```input\n{i}\n```\n" for i in (1, 2, 2, 3, 4)) + "```message\nadds one\n```</answer>"
+    p = parse_proposal("code_f", text, induction_inputs=4)
+    assert p.error is None and p.inputs == ("1", "2", "3", "4") and p.message == "adds one"
+    short = parse_proposal("code_f", "<answer>```input\n1\n```\n```input\n1\n```</answer>", induction_inputs=4)
+    assert short.error == "malformed: 1 distinct inputs, 4 needed"
