@@ -241,6 +241,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "student/malformed_rate": float(np.mean([r.malformed for r in sr])) if sr else None,
             "student/reward": float(np.mean([r.reward for r in sr])) if sr else None,
             "learner/loss": stats.get(m, {}).get("loss"), "learner/grad_norm": stats.get(m, {}).get("grad_norm"),
+            "learner/update_norm": stats.get(m, {}).get("update_norm"),
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
             "population/conservative": rating.get("conservative"),
             **times,

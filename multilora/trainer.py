@@ -103,12 +103,15 @@ class PolicyTrainer:
                 weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype)
                 (per_seq * weights).sum().backward()
                 for row, a in enumerate(adapters):
-                    stats[a]["loss"] += float(per_seq[row]) / rows_of[a] / self.settings.epochs
+                    stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
             for name in rows_of:
                 params = self.model.adapter_parameters(name)
                 norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm)
                 stats[name]["grad_norm"] = float(norm)
+                before = [p.detach().clone() for p in params]
                 self.optimizers[name].step()
+                stats[name]["update_norm"] += float(
+                    torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(params, before))))
         self.model.eval()
         self.model.invalidate()
         for name, n in rows_of.items():

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_path):
-    cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "population.evolve_every=2"])
+    cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "population.evolve_every=2",
+                                                         "learner.weight_decay=0.1"])
     run = train(cfg)
 
     for name in ("config.yaml", "metrics.parquet", "tasks.parquet", "ratings.parquet", "lineage.parquet"):
@@ -28,7 +29,12 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
     assert len(tasks) == 2 * 3 * 2
     assert all(t["teacher_reward"] == -1.0 for t in tasks if not t["valid"])
 
-    # the update changed every adapter that trained: B starts at zero in PEFT's init
+    # every member that played was updated: a random model earns no reward signal (all
+    # its text is malformed, so advantages are 0), but weight decay still moves each
+    # adapter that the learner stepped; the learning signal itself is tested in test_actors
+    for m in metrics:
+        if m["roles_played"]:
+            assert m["learner/update_norm"] and m["learner/update_norm"] > 0, m
     lineage = pq.read_table(run / "lineage.parquet").to_pylist()
     assert {row["role"] for row in lineage} == {"teacher", "student"}, lineage
     children = {row["child"] for row in lineage}
@@ -38,6 +44,4 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
     for member in members:
         state, spec = load_adapter(run / "adapters" / member)
         assert spec.rank == 8
-        b_norm = sum(float(v.norm()) for k, v in state.items() if "lora_B" in k)
-        assert b_norm > 0, f"{member}: lora_B is still zero, the update did not reach it"
-    assert all(torch.isfinite(v).all() for v in state.values())
+        assert all(torch.isfinite(v).all() for v in state.values())

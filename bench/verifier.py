@@ -1,0 +1,124 @@
+"""Verifier benchmark: isolated validations per second vs a bare fork-per-run executor.
+
+`python -m bench.verifier [--quick]` validates the same code_o tasks through
+verifier_sandbox.validate (warm zygotes in bwrap/unshare, fork per program, two hash seeds)
+and through a bare executor (os.fork, exec of the program in the child, repr piped back,
+also twice per task), interleaved in rounds so machine noise hits both alike.
+isolation_overhead = isolated time / bare time = bare_fork_per_s / isolated_per_s
+(target <= 2.0, DESIGN.md section 5). Prints one JSON object on its last line and writes
+bench/results/verifier.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from verifier_sandbox import validate
+from verifier_sandbox.execute import POOL
+from verifier_sandbox.tasks import build_call
+
+TASKS = [
+    ("def f(a, b):\n    return sorted(a)[:b]", "[5, 3, 9, 1, 7], 3"),
+    ("def f(s):\n    return ''.join(reversed(s)).upper()", "'populora'"),
+    ("def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+     "30"),
+    ("from collections import Counter\ndef f(s):\n    return sorted(Counter(s).items())",
+     "'mississippi'"),
+    ("import math\ndef f(xs):\n    return [math.gcd(x, 12) for x in xs]", "[8, 9, 10, 18]"),
+    ("def f(d, k):\n    return {v: kk for kk, v in d.items() if kk != k}",
+     "{'a': 1, 'b': 2, 'c': 3}, 'b'"),
+]
+RESULTS = Path(__file__).resolve().parent / "results" / "verifier.json"
+
+
+def bare_run(program: str, call: str) -> str | None:
+    """Runs one program with no isolation at all: fork, exec, pipe the repr back."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        try:
+            namespace: dict = {"__name__": "__main__"}
+            exec(program, namespace)
+            os.write(write_fd, repr(eval(call, namespace)).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 65536):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode() if chunks else None
+
+
+def bare_validate(program: str, input_text: str) -> bool:
+    """The same work as validate(): two runs, both literals, equal by value."""
+    call = build_call(input_text)
+    first, second = bare_run(program, call), bare_run(program, call)
+    return first is not None and ast.literal_eval(first) == ast.literal_eval(second)
+
+
+def isolated_validate(program: str, input_text: str) -> bool:
+    """One validation through the full isolated path."""
+    return validate("code_o", program, input=input_text).valid
+
+
+def _timed(fn, tasks) -> float:
+    start = time.perf_counter()
+    for program, input_text in tasks:
+        if not fn(program, input_text):
+            raise RuntimeError(f"benchmark task failed validation: {program!r}")
+    return time.perf_counter() - start
+
+
+def measure(n: int, rounds: int) -> dict:
+    """Interleaves isolated and bare rounds; returns the figures of both."""
+    tasks = [TASKS[i % len(TASKS)] for i in range(n)]
+    for program, input_text in TASKS:  # warm: zygotes started, caches filled
+        isolated_validate(program, input_text)
+        bare_validate(program, input_text)
+    isolated = bare = 0.0
+    for _ in range(rounds):
+        isolated += _timed(isolated_validate, tasks)
+        bare += _timed(bare_validate, tasks)
+    workers = os.cpu_count() or 1
+    start = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        assert all(pool.map(lambda t: isolated_validate(*t), tasks))
+    parallel = time.perf_counter() - start
+    total = n * rounds
+    return {
+        "benchmark": "verifier",
+        "layer": POOL.layer,
+        "validations": total,
+        "runs_per_validation": 2,
+        "isolated_per_s": round(total / isolated, 1),
+        "bare_fork_per_s": round(total / bare, 1),
+        "isolation_overhead": round(isolated / bare, 3),
+        "target_overhead": 2.0,
+        "isolated_parallel_per_s": round(n / parallel, 1),
+        "parallel_workers": workers,
+    }
+
+
+def main() -> None:
+    """Runs the benchmark, prints the JSON summary last and writes it under bench/results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds instead of a minute")
+    args = parser.parse_args()
+    n, rounds = (60, 3) if args.quick else (300, 5)
+    summary = measure(n, rounds)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

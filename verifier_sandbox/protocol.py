@@ -1,0 +1,84 @@
+"""The JSON request/response contract of the verifier (DESIGN.md section 4), shared by the
+CLI and the Ray workers. `handle` never raises: a bad request is an error reply."""
+
+from __future__ import annotations
+
+from .execute import run_program
+from .tasks import check, validate
+
+OPS = ("run", "validate", "check")
+_FAILED = {"run": {}, "validate": {"valid": False}, "check": {"correct": False}}
+_LIMITS = ("timeout_s", "memory_mb")
+
+
+def _text(request: dict, key: str, default: str | None = None, required: bool = True
+          ) -> str | None:
+    value = request.get(key, default)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"'{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _texts(request: dict, key: str) -> list[str] | None:
+    value = request.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"'{key}' must be a list of strings")
+    return value
+
+
+def _limits(request: dict) -> dict:
+    limits = {}
+    for key in _LIMITS:
+        if key in request:
+            value = request[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"'{key}' must be a positive number")
+            limits[key] = int(value) if key == "memory_mb" else float(value)
+    return limits
+
+
+def _dispatch(op: str, request: dict) -> dict:
+    limits = _limits(request)
+    if op == "run":
+        return run_program(_text(request, "program"), _text(request, "call", "f()"),
+                           **limits).to_dict()
+    task_type = _text(request, "task_type")
+    if op == "validate":
+        return validate(task_type, _text(request, "program"),
+                        input=_text(request, "input", required=False),
+                        inputs=_texts(request, "inputs"), **limits).to_dict()
+    return check(task_type, _text(request, "program", "", required=False) or "",
+                 _text(request, "answer"),
+                 input=_text(request, "input", required=False),
+                 output=_text(request, "output", required=False),
+                 inputs=_texts(request, "inputs"), outputs=_texts(request, "outputs"),
+                 **limits).to_dict()
+
+
+def handle(op: str, request: dict) -> dict:
+    """Serves one request of the CLI JSON contract; never raises.
+
+    A bad request gets {"error": ...}, plus "valid": false for validate and
+    "correct": false for check.
+    """
+    if op not in OPS:
+        return {"error": f"unknown op {op!r}; expected one of {OPS}"}
+    try:
+        if not isinstance(request, dict):
+            raise ValueError(f"request must be a JSON object, got {type(request).__name__}")
+        return _dispatch(op, request)
+    except Exception as exc:  # the contract: a reply for every request, whatever it holds
+        return bad_request(op, str(exc))
+
+
+def bad_request(op: str, why: str) -> dict:
+    """The reply to a request that could not be served: an error plus a failed verdict."""
+    reason = f"bad request: {why}"
+    failed = dict(_FAILED.get(op, {}))
+    if failed:
+        failed["reason"] = reason
+    return {"error": reason, **failed}
