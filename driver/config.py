@@ -73,6 +73,7 @@ class TasksConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     buffer_size: int = 256
+    answer_prefix: bool = True  # start each reply inside its <answer> block (see prompts.answer_prefix)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
-from driver.prompts import student_prompt, teacher_prompt
+from driver.prompts import answer_prefix, student_prompt, teacher_prompt
 from driver.records import Proposal, Rollout, Task
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
@@ -105,9 +105,11 @@ def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
                 k = 1 if task_type == "code_f" else t.references
                 jobs.append((teacher, task_type, ctx.buffer.sample(task_type, k, ctx.rng)))
     prompts = [teacher_prompt(tt, refs, t.induction_inputs) for _, tt, refs in jobs]
+    prefixes = [answer_prefix("teacher", tt) if t.answer_prefix else "" for _, tt, _ in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
-        [j[0] for j in jobs], prompts, [params] * len(jobs)))
-    parsed = [parse_proposal(tt, out.completions[0].text, t.induction_inputs) for (_, tt, _), out in zip(jobs, outputs)]
+        [j[0] for j in jobs], prompts, [params] * len(jobs), prefixes))
+    parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs)
+              for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
     requests, asked = [], []
     for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
         if p.error is not None:
@@ -119,7 +121,7 @@ def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
         asked.append(i)
     verdicts = dict(zip(asked, ctx.actors.verifier.validate(requests))) if requests else {}
     proposals = []
-    for i, ((teacher, task_type, refs), p, out) in enumerate(zip(jobs, parsed, outputs)):
+    for i, ((teacher, task_type, refs), p, pre, out) in enumerate(zip(jobs, parsed, prefixes, outputs)):
         v = verdicts.get(i)
         valid = bool(v and v.get("valid"))
         program = refs[0].program if task_type == "code_f" else p.program
@@ -132,7 +134,7 @@ def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
                 task = Task(task_type, program, input=p.input, output=v["output"], teacher=teacher, step=step)
         reason = p.error if p.error is not None else (None if valid else (v or {}).get("reason", "invalid"))
         c = out.completions[0]
-        proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, c.text, program, p.input,
+        proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
                                   tuple(p.inputs), p.message, valid, reason, task))
     return proposals
 
@@ -145,12 +147,13 @@ def solve(ctx: StepContext, tasks: list[Task], matches: dict[str, str]) -> list[
     params = SamplingParams(temperature=t.temperature, top_p=t.top_p, max_new_tokens=t.solve_max_new_tokens,
                             stop=("</answer>",), n=t.rollouts)
     students = [matches[task.teacher] for task in tasks]
+    prefixes = [answer_prefix("student", task.task_type) if t.answer_prefix else "" for task in tasks]
     outputs = ray.get(ctx.actors.inference.generate.remote(
-        students, [student_prompt(task) for task in tasks], [params] * len(tasks)))
+        students, [student_prompt(task) for task in tasks], [params] * len(tasks), prefixes))
     attempts, requests = [], []  # (task index, student, prompt ids, completion, answer)
-    for i, (task, student, out) in enumerate(zip(tasks, students, outputs)):
+    for i, (task, student, pre, out) in enumerate(zip(tasks, students, prefixes, outputs)):
         for c in out.completions:
-            answer = extract_answer(c.text)
+            answer = extract_answer(pre + c.text)
             attempts.append((i, student, out.prompt_ids, c, answer))
             if answer is not None:
                 requests.append(check_request(task, answer))
@@ -255,7 +258,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         cx = complexity(p.task.program) if p.task is not None else {}
         task_rows.append({
             "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
-            "valid": p.valid, "reason": p.reason, "program": p.program, "input": p.input,
+            "valid": p.valid, "reason": p.reason, "completion": p.text, "program": p.program, "input": p.input,
             "output": p.task.output if p.task else None, "inputs": list(p.inputs),
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
             "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,

@@ -52,9 +52,9 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
         _RULES,
         "",
     ]
-    for i, ref in enumerate(references):
-        parts += [f"Reference {i + 1}:", _fence("python", ref.program),
-                  _fence("input", ref.input or (ref.inputs[0] if ref.inputs else ""))]
+    for i, ref in enumerate(references):  # shown in the reply format itself: small models copy it
+        parts += [f"Reference {i + 1}:", "<answer>", _fence("python", ref.program),
+                  _fence("input", ref.input or (ref.inputs[0] if ref.inputs else "")), "</answer>"]
     parts += [
         "",
         "Reply in exactly this format (the input is the text inside f(...), Python literals separated by commas):",
@@ -64,6 +64,18 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
         "</answer>",
     ]
     return "\n".join(parts)
+
+
+def answer_prefix(role: str, task_type: str) -> str:
+    """The start of the reply the model continues from when `tasks.answer_prefix` is on.
+
+    A 135M model rarely opens the `<answer>` block by itself; starting the reply inside it
+    (a response prefix, as TinyZero does with `<think>`) leaves the format still to be
+    closed correctly, and the prefix is part of the prompt, so it is never trained on.
+    """
+    if role == "teacher":
+        return "<answer>\n```input\n" if task_type == "code_f" else "<answer>\n```python\ndef f("
+    return "<answer>\n```python\ndef f(" if task_type == "code_f" else "<answer>"
 
 
 def student_prompt(task: Task) -> str:

@@ -78,14 +78,17 @@ class PolicyTrainer:
         samples = [s for s in samples if s.completion_ids]
         if not samples:
             return {}
-        for s in samples:
-            if s.adapter not in self.optimizers:
-                self.reset_optimizer(s.adapter)
-        batches = self._micro_batches(samples)
-        old = self._old_logprobs(samples, batches)
         rows_of: dict[str, int] = defaultdict(int)
         for s in samples:
             rows_of[s.adapter] += 1
+            if s.adapter not in self.optimizers:
+                self.reset_optimizer(s.adapter)
+        # A row with advantage 0 has exactly zero gradient (min(r*0, clip(r)*0) = 0), so it
+        # is never computed; it still counts in its adapter's mean and its adapter still
+        # steps (with zero gradients), which keeps the update identical to the full one.
+        samples = [s for s in samples if s.advantage != 0.0]
+        batches = self._micro_batches(samples)
+        old = self._old_logprobs(samples, batches)
         stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.model.train()
         for _ in range(self.settings.epochs):
@@ -106,6 +109,9 @@ class PolicyTrainer:
                     stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
             for name in rows_of:
                 params = self.model.adapter_parameters(name)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
                 norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm)
                 stats[name]["grad_norm"] = float(norm)
                 before = [p.detach().clone() for p in params]

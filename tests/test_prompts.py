@@ -1,0 +1,30 @@
+from driver.extraction import extract_answer, parse_proposal
+from driver.prompts import answer_prefix, student_prompt, teacher_prompt
+from driver.records import Task
+
+PROGRAM = "def f(xs):\n    return sorted(xs)"
+
+
+def test_teacher_prompt_shows_references_in_the_reply_format():
+    refs = [Task("code_o", PROGRAM, input="[3, 1]", output="[1, 3]")]
+    text = teacher_prompt("code_o", refs)
+    assert PROGRAM in text and "[3, 1]" in text and text.count("<answer>") == 2
+    assert "[1, 3]" not in text  # the teacher is not shown outputs it does not need
+
+
+def test_code_f_student_never_sees_held_out_pairs():
+    task = Task("code_f", PROGRAM, inputs=("[2, 1]", "[9, 8]", "[5, 4]"), outputs=("[1, 2]", "[8, 9]", "[4, 5]"),
+                message="sorts", shown=1)
+    text = student_prompt(task)
+    assert "[2, 1]" in text and "[1, 2]" in text and "sorts" in text
+    assert "[9, 8]" not in text and "[4, 5]" not in text and PROGRAM not in text
+
+
+def test_answer_prefixes_parse_when_the_model_completes_them():
+    pre = answer_prefix("teacher", "code_o")
+    completion = "xs):\n    return xs[::-1]\n```\n```input\n[1, 2]\n```\n</answer>"
+    p = parse_proposal("code_o", pre + completion)
+    assert p.error is None and p.program == "def f(xs):\n    return xs[::-1]" and p.input == "[1, 2]"
+    assert extract_answer(answer_prefix("student", "code_o") + " [1, 2]</answer>") == "[1, 2]"
+    code = extract_answer(answer_prefix("student", "code_f") + "x):\n    return x\n```\n</answer>")
+    assert code == "def f(x):\n    return x"
