@@ -1,8 +1,9 @@
 """InferenceServer: one frozen base model serving every adapter of the population.
 
 Backend "hf": our stacked multi-LoRA model (`multilora`), prompts of different adapters
-in one batch. Adapter tensors arrive as an ObjectRef resolved by Ray inside this actor,
-so they travel learner -> object store -> here, never through the driver or a disk.
+in one batch. Backend "vllm": one vLLM engine with multi-LoRA (`multilora.vllm_engine`).
+Adapter tensors arrive as an ObjectRef resolved by Ray inside this actor, so they travel
+learner -> object store -> here, never through the driver or a disk (vllm: tmpfs only).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import ray
 import torch
 
+from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
 from multilora.model import LoraSpec, MultiLoraModel, load_base_model
 
@@ -41,15 +43,31 @@ class HFEngine:
                 self.model.add_adapter(name, state)
         return sorted(self.model.slot_of)
 
-    def encode_chat(self, user: str) -> tuple[int, ...]:
-        enc = self.tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                                 tokenize=True)
-        ids = enc["input_ids"] if not isinstance(enc, list) else enc
-        return tuple(int(t) for t in ids)
+    def encode_chat(self, user: str, prefix: str = "") -> tuple[int, ...]:
+        return chat_prompt_ids(self.tokenizer, user, prefix)
 
-    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams]) -> list[RequestOutput]:
-        requests = [GenerationRequest(a, self.encode_chat(p), sp) for a, p, sp in zip(adapters, prompts, params)]
+    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
+                 prefixes: list[str] | None = None) -> list[RequestOutput]:
+        """Completions per prompt; `prefixes[i]` starts the reply (it is in the prompt ids)."""
+        prefixes = prefixes or [""] * len(prompts)
+        requests = [GenerationRequest(a, self.encode_chat(p, pre), sp)
+                    for a, p, sp, pre in zip(adapters, prompts, params, prefixes)]
         return generate(self.model, self.tokenizer, requests, max_batch=self.max_batch, generator=self.generator)
+
+
+BACKENDS = ("hf", "vllm")
+
+
+def create_engine(backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
+                  max_batch: int = 32, seed: int = 0):
+    """The engine of `backend`: "hf" (ours) or "vllm" (imported only when chosen)."""
+    if backend == "hf":
+        return HFEngine(model_path, spec, n_slots, dtype, max_batch, seed)
+    if backend == "vllm":
+        from multilora.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, spec, n_slots, dtype, max_batch, seed)
+    raise ValueError(f"inference.backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
 @ray.remote(max_restarts=2)
@@ -60,9 +78,7 @@ class InferenceServer:
                  max_batch: int = 32, seed: int = 0, threads: int = 0) -> None:
         if threads:
             torch.set_num_threads(threads)
-        if backend != "hf":
-            raise ValueError(f"inference.backend {backend!r} is not available yet: only 'hf' is implemented")
-        self.engine = HFEngine(model_path, spec, n_slots, dtype, max_batch, seed)
+        self.engine = create_engine(backend, model_path, spec, n_slots, dtype, max_batch, seed)
 
     def ready(self) -> bool:
         return True
@@ -70,5 +86,6 @@ class InferenceServer:
     def sync_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         return self.engine.sync_adapters(adapters)
 
-    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams]) -> list[RequestOutput]:
-        return self.engine.generate(adapters, prompts, params)
+    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
+                 prefixes: list[str] | None = None) -> list[RequestOutput]:
+        return self.engine.generate(adapters, prompts, params, prefixes)
