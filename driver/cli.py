@@ -22,7 +22,27 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     prepare = sub.add_parser("prepare-model", help="convert the embedded GGUF model(s) to safetensors once")
     prepare.add_argument("names", nargs="*")
+    report = sub.add_parser("report", help="write the plots and HTML report of a run into runs/<name>/report/")
+    report.add_argument("run", help="run directory, e.g. runs/local")
+    report.add_argument("--compare", default=None, help="a second run directory to overlay (e.g. the baseline)")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    for path in filter(None, (args.run, args.compare)):
+        if not Path(path).is_dir():
+            print(f"populora: report: no run directory at {path}", file=sys.stderr)
+            return 2
+        if not (Path(path) / "metrics.parquet").is_file():
+            print(f"populora: report: {Path(path) / 'metrics.parquet'} not found (not a run directory?)",
+                  file=sys.stderr)
+            return 2
+    from driver.report import write_report
+
+    print(write_report(Path(args.run), Path(args.compare) if args.compare else None))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.names or EMBEDDED_MODELS:
             print(prepare(name))
         return 0
+    if args.command == "report":
+        return _report(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
