@@ -9,6 +9,7 @@ learner -> object store -> here, never through the driver or a disk (vllm: tmpfs
 from __future__ import annotations
 
 import logging
+import uuid
 
 import ray
 import torch
@@ -43,6 +44,13 @@ class HFEngine:
                 self.model.add_adapter(name, state)
         return sorted(self.model.slot_of)
 
+    def state_dict(self) -> dict:
+        """The sampling RNG (adapters are restored by a sync from the learner)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def encode_chat(self, user: str, prefix: str = "") -> tuple[int, ...]:
         return chat_prompt_ids(self.tokenizer, user, prefix)
 
@@ -76,12 +84,20 @@ class InferenceServer:
 
     def __init__(self, backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
                  max_batch: int = 32, seed: int = 0, threads: int = 0) -> None:
+        self.incarnation = uuid.uuid4().hex
         if threads:
             torch.set_num_threads(threads)
         self.engine = create_engine(backend, model_path, spec, n_slots, dtype, max_batch, seed)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""
+        return self.incarnation
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
 
     def sync_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         return self.engine.sync_adapters(adapters)

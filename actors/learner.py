@@ -7,6 +7,8 @@ server, so new weights reach it through the object store only.
 
 from __future__ import annotations
 
+import uuid
+
 import ray
 import torch
 
@@ -39,6 +41,21 @@ class LearnerCore:
     def update(self, samples: list[TrainSample]) -> dict[str, dict[str, float]]:
         return self.trainer.update(samples)
 
+    def state_dict(self) -> dict:
+        """Adapters in slot order and each one's AdamW state."""
+        names = sorted(self.model.slot_of, key=self.model.slot_of.get)
+        return {"adapters": {n: self.model.export_adapter(n) for n in names},
+                "optimizers": {n: self.trainer.optimizers[n].state_dict() for n in names}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in list(self.model.slot_of):
+            self.model.remove_adapter(name)
+            self.trainer.drop_optimizer(name)
+        for name, adapter in state["adapters"].items():  # slot order: slots come back the same
+            self.model.add_adapter(name, adapter)
+            self.trainer.reset_optimizer(name)
+            self.trainer.optimizers[name].load_state_dict(state["optimizers"][name])
+
     def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict,
                     seed: int) -> None:
         """Replace member `dead` by `child` = OPERATORS[operator](parents) with a fresh optimizer."""
@@ -54,12 +71,23 @@ class LearnerCore:
 class Learner:
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
                  dtype: str = "float32", threads: int = 0) -> None:
+        self.incarnation = uuid.uuid4().hex
         if threads:
             torch.set_num_threads(threads)
         self.core = LearnerCore(model_path, spec, n_slots, settings, dtype)
 
+    def ready(self) -> str:
+        """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""
+        return self.incarnation
+
     def init_members(self, names: list[str], seed: int) -> None:
         self.core.init_members(names, seed)
+
+    def state_dict(self) -> dict:
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.core.load_state_dict(state)
 
     def export_adapters(self, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         return self.core.export_adapters(names)

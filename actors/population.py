@@ -5,6 +5,8 @@ A thin shell over `evolution.population.Population` (Ray-free, tested directly).
 
 from __future__ import annotations
 
+import uuid
+
 import ray
 
 from evolution.population import Population, Replacement
@@ -13,7 +15,12 @@ from evolution.population import Population, Replacement
 @ray.remote(max_restarts=2)
 class PopulationManager:
     def __init__(self, **settings) -> None:
+        self.incarnation = uuid.uuid4().hex
         self.population = Population(**settings)
+
+    def ready(self) -> str:
+        """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""
+        return self.incarnation
 
     def members(self) -> dict[str, list[str]]:
         return {"teachers": list(self.population.teachers), "students": list(self.population.students)}

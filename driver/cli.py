@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from driver.config import ConfigError, load_config
 
@@ -16,6 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="configs/local.yaml", help="YAML config (default: %(default)s)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted override, e.g. --set population.teachers=4 (repeatable)")
+    train.add_argument("--resume", default=None, metavar="RUN_DIR",
+                       help="continue runs/<name> from its checkpoint (its config.yaml replaces --config)")
     train.add_argument("--log-level", default="INFO")
     check = sub.add_parser("check-config", help="validate a config and print it")
     check.add_argument("--config", default="configs/local.yaml")
@@ -29,8 +32,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     for path in filter(None, (args.run, args.compare)):
         if not Path(path).is_dir():
             print(f"populora: report: no run directory at {path}", file=sys.stderr)
@@ -55,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args)
+    resume = getattr(args, "resume", None)
+    if resume and not (Path(resume) / "config.yaml").is_file():
+        print(f"populora: --resume: {Path(resume) / 'config.yaml'} not found (not a run directory?)", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(Path(resume) / "config.yaml" if resume else args.config, args.overrides)
     except ConfigError as e:
         print(f"populora: config error: {e}", file=sys.stderr)
         return 2
@@ -66,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from driver.checkpoint import CheckpointError
     from driver.loop import train
 
-    path = train(cfg)
+    try:
+        path = train(cfg, Path(resume) if resume else None)
+    except CheckpointError as e:
+        print(f"populora: checkpoint error: {e}", file=sys.stderr)
+        return 2
     print(f"run written to {path}")
     return 0
 

@@ -26,6 +26,8 @@ class RunConfig:
     seed: int = 0
     steps: int = 8
     overwrite: bool = True
+    checkpoint_every: int = 2  # C: write checkpoint/ every C steps (and at the end); 0: only at the end
+    max_recoveries: int = 3  # actor failures survived by restoring the last checkpoint
 
 
 @dataclass
@@ -227,6 +229,9 @@ def _validate(cfg: Config) -> None:
     if cfg.population.mode == "population":
         positive("population.teachers", cfg.population.teachers)
         positive("population.students", cfg.population.students)
+    for key in ("run.checkpoint_every", "run.max_recoveries"):
+        if getattr(cfg.run, key.split(".")[1]) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {getattr(cfg.run, key.split('.')[1])!r}")
     if cfg.population.evolve_every < 0:
         raise ConfigError(f"population.evolve_every: must be >= 0, got {cfg.population.evolve_every!r}")
     if not cfg.population.operators:

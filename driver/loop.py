@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import json
 import logging
+import random
+import shutil
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
+from driver import checkpoint
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
@@ -306,34 +311,122 @@ def seed_buffer(cfg: Config, actors: Actors) -> TaskBuffer:
 
 
 def save_adapters(ctx: StepContext) -> None:
+    """The living members' adapters as PEFT dirs; members replaced since are removed."""
     states = ray.get(ctx.actors.learner.export_adapters.remote())
+    for stale in (ctx.run.path / "adapters").iterdir():
+        if stale.name not in states:
+            shutil.rmtree(stale)
     for member, state in states.items():
         save_adapter(ctx.run.adapter_dir(member), state, ctx.actors.spec, ctx.cfg.model.path)
 
 
-def train(cfg: Config) -> Path:
-    """Run the configured steps; returns the run directory."""
-    run = RunDir.create(cfg)
+def save_checkpoint(ctx: StepContext, step: int) -> float:
+    """Write checkpoint/ for the state after `step`; returns the seconds it took."""
+    start = time.perf_counter()
+    a = ctx.actors
+    learner, inference, population = ray.get(
+        [a.learner.state_dict.remote(), a.inference.state_dict.remote(), a.population.state_dict.remote()])
+    driver = {
+        "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
+        "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
+    }
+    checkpoint.save(ctx.run.path / "checkpoint", step, {
+        "learner": learner, "inference": inference, "population": population, "driver": driver})
+    return time.perf_counter() - start
+
+
+def restore_checkpoint(ctx: StepContext) -> int:
+    """Bring every actor and the driver back to the last checkpoint; returns its step."""
+    step, parts = checkpoint.load(checkpoint.find(ctx.run.path))
+    a = ctx.actors
+    ray.get([a.learner.load_state_dict.remote(parts["learner"]),
+             a.inference.load_state_dict.remote(parts["inference"]),
+             a.population.load_state_dict.remote(parts["population"])])
+    ray.get(a.inference.sync_adapters.remote(a.learner.export_adapters.remote()))
+    d = parts["driver"]
+    ctx.buffer.load_state_dict(d["buffer"])
+    ctx.rng.bit_generator.state = d["rng"]
+    random.setstate(d["python_random"])
+    np.random.set_state(d["numpy_random"])
+    torch.set_rng_state(d["torch_random"])
+    ctx.run.load_state_dict(d["tables"])
+    return step
+
+
+def start_run(cfg: Config, actors: Actors, ctx_factory) -> StepContext:
+    """A fresh run: initial adapters, the seed task buffer, and checkpoint 0."""
+    members = ray.get(actors.population.members.remote())
+    ray.get(actors.learner.init_members.remote(
+        list(dict.fromkeys(members["teachers"] + members["students"])), cfg.run.seed))
+    ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+    return ctx_factory(seed_buffer(cfg, actors))
+
+
+class ActorRestarted(RuntimeError):
+    """A stateful actor came back from a restart without its state."""
+
+
+def train(cfg: Config, resume: Path | None = None,
+          on_step: Callable[[int, StepContext], None] | None = None) -> Path:
+    """Run (or, with `resume`, continue) the configured steps; returns the run directory.
+
+    Checkpoints every `run.checkpoint_every` steps and at the end. When an actor dies,
+    every actor is recreated and the whole run goes back to the last checkpoint (at most
+    `run.max_recoveries` times), so a step is never half applied. `on_step(step, ctx)`
+    runs after each completed step (after its checkpoint, if one is due).
+    """
+    run = RunDir.open(resume, cfg) if resume else RunDir.create(cfg)
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
     actors = create_actors(cfg)
+    bar = tqdm(total=cfg.run.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)
+
+    def make_ctx(buffer: TaskBuffer) -> StepContext:
+        return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar)
+
     try:
-        members = ray.get(actors.population.members.remote())
-        ray.get(actors.learner.init_members.remote(
-            list(dict.fromkeys(members["teachers"] + members["students"])), cfg.run.seed))
-        ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
-        buffer = seed_buffer(cfg, actors)
-        bar = tqdm(total=cfg.run.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-                   disable=None)
-        ctx = StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar)
-        for step in range(1, cfg.run.steps + 1):
-            s = train_step(step, ctx)
+        if resume:
+            ctx = make_ctx(TaskBuffer({t: [] for t in cfg.tasks.types}, cfg.tasks.buffer_size))
+            step = restore_checkpoint(ctx)
+            log.info("resumed %s at step %d", run.path, step)
+        else:
+            ctx = start_run(cfg, actors, make_ctx)
+            step = 0
+            save_checkpoint(ctx, step)
+        bar.update(step)
+        recoveries = 0
+        while step < cfg.run.steps:
+            try:
+                s = train_step(step + 1, ctx)
+                if actors.restarted():  # a restart between two calls loses state silently
+                    raise ActorRestarted("an actor was restarted during the step")
+            except (RayActorError, RayTaskError, ActorRestarted) as e:
+                # an error inside a live, never-restarted actor is a bug, not a fault
+                if isinstance(e, RayTaskError) and not isinstance(e, RayActorError) and not actors.restarted():
+                    raise
+                recoveries += 1
+                if recoveries > cfg.run.max_recoveries:
+                    raise
+                log.warning("an actor failed during step %d (%s); recreating actors and restoring the last "
+                            "checkpoint (recovery %d of %d)", step + 1, type(e).__name__, recoveries,
+                            cfg.run.max_recoveries)
+                stop_actors(actors)
+                actors = ctx.actors = create_actors(cfg)
+                step = restore_checkpoint(ctx)
+                bar.n = step
+                continue
+            step += 1
             bar.update(1)
             bar.set_postfix_str(
                 f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f}")
             log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f tasks %d replaced %d | %s", step,
                      s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["tasks"], s["replaced"],
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))
+            every = cfg.run.checkpoint_every
+            if step == cfg.run.steps or (every and step % every == 0):
+                log.info("checkpoint at step %d written in %.2fs", step, save_checkpoint(ctx, step))
+            if on_step is not None:
+                on_step(step, ctx)
         bar.close()
         save_adapters(ctx)
     finally:

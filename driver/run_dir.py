@@ -34,6 +34,21 @@ class RunDir:
         (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return cls(path)
 
+    @classmethod
+    def open(cls, path: Path, cfg: Config) -> RunDir:
+        """An existing run (for --resume); its rows come back from the checkpoint."""
+        if not (path / "config.yaml").is_file():
+            raise FileNotFoundError(f"--resume: {path / 'config.yaml'} not found (not a run directory?)")
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return cls(path)
+
+    def state_dict(self) -> dict:
+        return {table: list(rows) for table, rows in self.rows.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = defaultdict(list, {table: list(rows) for table, rows in state.items()})
+        self.flush()
+
     def append(self, table: str, rows: list[dict]) -> None:
         if table not in TABLES:
             raise KeyError(f"unknown table {table!r} (known: {', '.join(TABLES)})")

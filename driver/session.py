@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import ray
@@ -59,6 +60,17 @@ class Actors:
     verifier: VerifierPool
     model_path: str
     spec: LoraSpec
+    incarnations: tuple[str, ...] = ()
+
+    def stateful(self) -> tuple[ray.actor.ActorHandle, ...]:
+        return self.inference, self.learner, self.population
+
+    def restarted(self) -> bool:
+        """True when a stateful actor is dead or was restarted by Ray (and lost its state)."""
+        try:
+            return tuple(ray.get([h.ready.remote() for h in self.stateful()], timeout=120)) != self.incarnations
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True
 
 
 def lora_spec(cfg: Config) -> LoraSpec:
@@ -69,12 +81,26 @@ def n_slots(cfg: Config) -> int:
     return 1 if cfg.population.mode == "single" else cfg.population.teachers + cfg.population.students
 
 
+def _free_name(name: str, timeout_s: float = 30.0) -> str:
+    """Make sure no live actor holds `name` (a killed actor releases it asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:
+            return name
+        ray.kill(handle, no_restart=True)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"actor name {name!r} is still taken after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
 def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
     threads = 0 if cfg.ray.address else (os.cpu_count() or 1)  # a cluster node sets its own
     heavy = {"num_cpus": cfg.ray.actor_cpus}
-    inference = InferenceServer.options(name="InferenceServer", **heavy).remote(
+    inference = InferenceServer.options(name=_free_name("InferenceServer"), **heavy).remote(
         cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
         cfg.run.seed, threads,
     )
@@ -82,22 +108,23 @@ def create_actors(cfg: Config) -> Actors:
         lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
         max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
     )
-    learner = Learner.options(name="Learner", **heavy).remote(
+    learner = Learner.options(name=_free_name("Learner"), **heavy).remote(
         model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads
     )
     p = cfg.population
-    population = PopulationManager.options(name="PopulationManager", num_cpus=0).remote(
+    population = PopulationManager.options(name=_free_name("PopulationManager"), num_cpus=0).remote(
         mode=p.mode, teachers=p.teachers, students=p.students, seed=cfg.run.seed, operators=p.operators,
         pfsp_weighting=p.pfsp_weighting, pfsp_p=p.pfsp_p, tournament_k=p.tournament_k, child_sigma=p.child_sigma,
     )
     v = cfg.verifier
     pool = VerifierPool(min_workers=v.min_workers, max_workers=v.max_workers, chunk_size=v.chunk_size,
                         timeout_s=v.timeout_s, memory_mb=v.memory_mb)
-    ray.get([inference.ready.remote()])
-    return Actors(inference, learner, population, pool, model_path, spec)
+    actors = Actors(inference, learner, population, pool, model_path, spec)
+    actors.incarnations = tuple(ray.get([h.ready.remote() for h in actors.stateful()]))
+    return actors
 
 
 def stop_actors(actors: Actors) -> None:
     actors.verifier.shutdown()
-    for handle in (actors.inference, actors.learner, actors.population):
-        ray.kill(handle)
+    for handle in actors.stateful():
+        ray.kill(handle, no_restart=True)

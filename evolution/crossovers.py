@@ -119,7 +119,7 @@ def svd_merge(parents: list[State], generator: torch.Generator, weight: float = 
         device = like_a.device
         left = torch.cat([(1 - weight) * like_b.to(dtype), weight * b[other.b_key].to(device=device, dtype=dtype)], dim=1)
         right = torch.cat([like_a.to(dtype), b[other.a_key].to(device=device, dtype=dtype)], dim=0)
-        new_b, new_a = balanced_factors(*product_svd(left, right), like_a.shape[0])
+        new_b, new_a = balanced_factors(*product_svd(left, right), like_a.shape[0], fill=like_a.to(dtype))
         child[pair.a_key] = new_a.to(like_a.dtype)
         child[pair.b_key] = new_b.to(like_b.dtype)
     return assemble_child(a, child)

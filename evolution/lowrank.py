@@ -31,11 +31,16 @@ def product_svd(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, 
     return q_l @ u_c, s, vh_c @ q_r.mT
 
 
-def balanced_factors(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_factors(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int,
+                     fill: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``U diag(S) V^T`` into ``B = U sqrt(S)`` ``[out, rank]`` and ``A = sqrt(S) V^T`` ``[rank, in]``.
 
     Keeps the top ``rank`` singular triplets (Eckart-Young: the best rank-``rank``
-    approximation in Frobenius and spectral norm) and pads with zero slots when fewer exist.
+    approximation in Frobenius and spectral norm). Slots with no singular value (padding,
+    or a zero ``dW`` such as a freshly initialised parent's) would leave ``A`` and ``B``
+    both zero there, a saddle that gradient descent never leaves (dL/dA = B^T g = 0 and
+    dL/dB = g A^T = 0). ``fill`` (the parent's ``A``, ``[rank, in]``) supplies those rows of
+    ``A`` while their ``B`` columns stay zero: ``dW`` is unchanged and the slot can learn.
     """
     keep = min(rank, s.shape[0])
     root = s[:keep].clamp_min(0).sqrt()
@@ -43,6 +48,12 @@ def balanced_factors(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: i
     a = vh.new_zeros(rank, vh.shape[1])
     b[:, :keep] = u[:, :keep] * root
     a[:keep] = root[:, None] * vh[:keep]
+    if fill is not None:
+        live = torch.zeros(rank, dtype=torch.bool)
+        if keep and float(root.max()) > 0:
+            live[:keep] = root > 1e-6 * root.max()
+        a[~live] = fill.to(a.dtype)[~live]
+        b[:, ~live] = 0
     return b, a
 
 
@@ -55,5 +66,5 @@ def fit_rank(b: torch.Tensor, a: torch.Tensor, rank: int) -> tuple[torch.Tensor,
         return torch.cat([b, b.new_zeros(b.shape[0], rank - r)], 1), torch.cat([a, a.new_zeros(rank - r, a.shape[1])], 0)
     dtype = work_dtype(b.dtype)
     u, s, vh = product_svd(b.to(dtype), a.to(dtype))
-    new_b, new_a = balanced_factors(u, s, vh, rank)
+    new_b, new_a = balanced_factors(u, s, vh, rank, fill=a[:rank].to(dtype))
     return new_b.to(b.dtype), new_a.to(a.dtype)

@@ -80,7 +80,8 @@ def singular_value(parents: list[State], generator: torch.Generator, scale: floa
     Source: PopuLoRA's mutation list ("perturb singular values"). ``dW = B A = U S V^T``
     by the cheap route of ``evolution.lowrank.product_svd`` (QR of ``B`` and ``A^T``,
     SVD of the ``r x r`` core), then ``B' = U sqrt(S')``, ``A' = sqrt(S') V^T``. The
-    singular vectors, hence the column and row spaces, are kept; a zero ``dW`` stays zero.
+    singular vectors, hence the column and row spaces, are kept; a zero ``dW`` stays zero
+    (its slots keep the parent's ``A`` rows, so the child can still learn).
     The factors come back in the balanced gauge (DESIGN.md §1), so even ``scale=0``
     changes ``A`` and ``B`` while keeping ``dW``: reset the child's optimizer state.
     """
@@ -89,7 +90,8 @@ def singular_value(parents: list[State], generator: torch.Generator, scale: floa
     for pair in lora_pairs(parent).values():
         u, s, vh, rank = _refactor(parent, pair)
         noise = _standard_normal((rank,), generator, s)[: s.shape[0]]
-        new_b, new_a = balanced_factors(u, (s * (1 + scale * noise)).clamp_min(0), vh, rank)
+        new_b, new_a = balanced_factors(u, (s * (1 + scale * noise)).clamp_min(0), vh, rank,
+                                        fill=parent[pair.a_key].to(u.dtype))
         child[pair.b_key] = new_b.to(parent[pair.b_key].dtype)
         child[pair.a_key] = new_a.to(parent[pair.a_key].dtype)
     return assemble_child(parent, child)

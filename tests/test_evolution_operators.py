@@ -256,3 +256,17 @@ def test_product_svd_matches_full_svd():
     u, s, vh = product_svd(left, right)
     assert torch.allclose(u @ torch.diag(s) @ vh, left @ right, atol=1e-10)
     assert torch.allclose(s, torch.linalg.svdvals(left @ right)[:5], atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["singular_value", "svd_merge"])
+def test_refactoring_a_zero_delta_keeps_the_child_trainable(name):
+    """A fresh adapter has B = 0; re-factoring must not zero A too (a saddle LoRA never leaves)."""
+    g = torch.Generator().manual_seed(0)
+    fresh = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 16, generator=g),
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(12, 4)}
+    params = {"singular_value": {"scale": 0.2}, "svd_merge": {"weight": 0.5}}[name]
+    parents = [fresh] if name == "singular_value" else [fresh, {k: v.clone() for k, v in fresh.items()}]
+    child = OPERATORS[name](parents, torch.Generator().manual_seed(1), **params)
+    a = child["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = child["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.count_nonzero(b) == 0 and torch.linalg.matrix_rank(a) == 4
