@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -28,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write the plots and HTML report of a run into runs/<name>/report/")
     report.add_argument("run", help="run directory, e.g. runs/local")
     report.add_argument("--compare", default=None, help="a second run directory to overlay (e.g. the baseline)")
+    from driver.evaluation.command import add_arguments as add_eval_arguments
+
+    add_eval_arguments(sub.add_parser("eval", help="score every member, the base and a baseline run on benchmarks"))
     return parser
 
 
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args)
+    if args.command == "eval":
+        from driver.evaluation.command import main as evaluate
+
+        return evaluate(args)
     resume = getattr(args, "resume", None)
     if resume and not (Path(resume) / "config.yaml").is_file():
         print(f"populora: --resume: {Path(resume) / 'config.yaml'} not found (not a run directory?)", file=sys.stderr)
@@ -70,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from driver.logs import configure
+
+    configure(args.log_level)
     from driver.checkpoint import CheckpointError
     from driver.loop import train
 

@@ -109,6 +109,7 @@ class RayConfig:
     num_cpus: int = 0  # 0: Ray's own count (embedded only)
     dashboard: bool = False
     actor_cpus: float = 0.0  # logical CPUs reserved by the inference server and the learner
+    metrics_export_port: int = 0  # Prometheus endpoint of an embedded Ray (0: Ray picks one)
 
 
 @dataclass

@@ -32,12 +32,14 @@ from driver import checkpoint
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
+from driver.logs import set_position
 from driver.prompts import answer_prefix, student_prompt, teacher_prompt
 from driver.records import Proposal, Rollout, Task
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
 from driver.session import Actors, create_actors, start_ray, stop_actors
+from driver.telemetry import Telemetry
 from multilora.generation import SamplingParams
 from multilora.peft_io import save_adapter
 from multilora.trainer import TrainSample
@@ -56,11 +58,13 @@ class StepContext:
     rng: np.random.Generator
     run: RunDir
     bar: tqdm
+    telemetry: Telemetry = field(default_factory=Telemetry)
     seconds: dict[str, float] = field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.bar.set_postfix_str(f"phase={name}", refresh=True)
+        set_position(phase=name)
         start = time.perf_counter()
         try:
             yield
@@ -72,6 +76,7 @@ class StepContext:
 def train_step(step: int, ctx: StepContext) -> dict[str, float]:
     cfg, actors = ctx.cfg, ctx.actors
     ctx.seconds = {}
+    set_position(step=step)
     with ctx.phase("match"):
         matches: dict[str, str] = ray.get(actors.population.match.remote())
 
@@ -255,6 +260,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             **times,
         })
     ctx.run.append("metrics", metrics)
+    ctx.telemetry.publish(step, metrics, {**ctx.seconds, "step": times["time/step"]})
     ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in teachers else "student", **r}
                                for m, r in ratings.items()])
     rates = {id(t): solve_rates[id(t)] for t in tasks}

@@ -49,6 +49,7 @@ def start_ray(cfg: Config) -> None:
         log_to_driver=True,
         configure_logging=True,
         logging_level=logging.WARNING,
+        **({"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}),
     )
 
 

@@ -36,7 +36,9 @@ class LoraSpec:
 def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Load a local HF causal LM (no hub access), frozen, in eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar per load, per actor, is noise in job logs
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     model.requires_grad_(False)
     model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -18,6 +19,12 @@ def tiny_model_path() -> str:
     return str(prepare("tiny-llama"))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """An embedded Ray for tests that need actors; shut down at the end of the session."""
@@ -26,6 +33,7 @@ def ray_session():
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, resources={"verifier": 4}, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=_free_port(),
                  runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}})
     yield ray
     if started:

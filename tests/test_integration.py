@@ -45,3 +45,34 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
         state, spec = load_adapter(run / "adapters" / member)
         assert spec.rank == 8
         assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def _scrape(port: int, names: set[str], attempts: int = 40) -> dict[str, list[str]]:
+    """Lines of each metric from the node's Prometheus endpoint (polled: export is periodic)."""
+    import time
+    import urllib.request
+
+    found: dict[str, list[str]] = {}
+    for _ in range(attempts):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {n: [line for line in text.splitlines() if line.startswith(f"ray_{n}{{")] for n in names}
+        if all(found.values()):
+            break
+        time.sleep(1.5)
+    return found
+
+
+def test_training_metrics_reach_the_prometheus_endpoint(ray_session, tiny_model_path, tmp_path):
+    import ray
+
+    cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "run.steps=1"])
+    train(cfg)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    names = {"populora_trueskill_mu", "populora_trueskill_sigma", "populora_teacher_reward",
+             "populora_teacher_valid_rate", "populora_phase_seconds", "populora_step",
+             "populora_verifier_pool_size", "populora_verifier_queue_depth"}
+    found = _scrape(port, names)
+    assert all(found.values()), f"missing on :{port}: {sorted(n for n, v in found.items() if not v)}"
+    assert any('member="teacher-0"' in line and 'role="teacher"' in line for line in found["populora_trueskill_mu"])
+    assert {p for p in ("propose", "solve", "update") if any(f'phase="{p}"' in x for x in found["populora_phase_seconds"])} \
+        == {"propose", "solve", "update"}

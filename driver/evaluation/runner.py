@@ -1,0 +1,311 @@
+"""`populora eval`: every member of a run, the base model and a baseline run on the benchmarks.
+
+One in-process inference engine (the run's backend, "hf" or "vllm"; no Ray) serves all
+adapters at once: the run's members, the baseline's members and "base", an all-zero
+adapter (lora_B = 0, so the base model's own outputs). Requests of every adapter and
+problem are batched together, sorted by token budget and prompt length. Completions are
+scored by the benchmarks' scorers in a small thread pool; code runs only in the verifier
+sandbox. Writes runs/<name>/eval_samples.parquet (every completion and its verdict),
+eval.parquet (one row per adapter, benchmark, group and metric) and eval.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+
+from driver.config import Config, load_config
+from driver.evaluation import codegen, codeio, mathbench
+from driver.evaluation.metrics import markdown, summarize
+from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
+from multilora.generation import SamplingParams
+from multilora.model import LoraSpec
+from multilora.peft_io import WEIGHTS_FILE, load_adapter
+
+log = logging.getLogger(__name__)
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (*codegen.BENCHMARKS, *codeio.BENCHMARKS, *mathbench.BENCHMARKS)}
+SUITES = {
+    "code": [b.name for b in codegen.BENCHMARKS],
+    "reasoning": ["codeio"],
+    "math": [b.name for b in mathbench.BENCHMARKS],
+    "offline": ["humaneval", "codeio", "gsm_symbolic"],
+    "all": list(BENCHMARKS),
+}
+DATA_SEED = 1234  # which problems are generated / sampled: fixed, so runs are comparable
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `populora eval` takes besides the run directories."""
+
+    benchmarks: tuple[str, ...] = tuple(SUITES["all"])
+    limit: int | None = None
+    backend: str | None = None  # None: the run's inference.backend
+    samples: int = 0  # > 0: also `samples` sampled completions per code problem, for pass@k
+    ks: tuple[int, ...] = (1, 5, 10)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    max_new_tokens: int | None = None  # None: each benchmark's own budget
+    max_batch: int | None = None  # None: the run's inference.max_batch
+    workers: int = 2  # sandbox threads
+    timeout_s: float = 10.0
+    base: bool = True
+    data: tuple[tuple[str, str], ...] = ()  # (benchmark, local path)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """One adapter under evaluation: `name` in the engine, and where it comes from."""
+
+    name: str
+    who: str  # "member", "base" or "baseline"
+    run: str
+    member: str
+    role: str
+    state: dict
+
+
+def resolve_benchmarks(spec: str) -> tuple[str, ...]:
+    """"humaneval,codeio,math" -> benchmark names (suites expand); unknown names raise."""
+    names: list[str] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if part in SUITES:
+            names += SUITES[part]
+        elif part in BENCHMARKS:
+            names.append(part)
+        else:
+            raise ValueError(f"unknown benchmark {part!r} (known: {', '.join([*SUITES, *BENCHMARKS])})")
+    return tuple(dict.fromkeys(names))
+
+
+def _role(member: str) -> str:
+    prefix = member.split("-", 1)[0]
+    return prefix if prefix in ("teacher", "student", "agent") else "member"
+
+
+def load_members(run_dir: Path, who: str) -> list[Evaluated]:
+    """The PEFT adapters under run_dir/adapters/, sorted by name."""
+    members = []
+    for directory in sorted((run_dir / "adapters").glob("*")):
+        if (directory / WEIGHTS_FILE).is_file():
+            state, _ = load_adapter(directory)
+            members.append(Evaluated(f"{run_dir.name}:{directory.name}", who, run_dir.name, directory.name,
+                                     _role(directory.name), state))
+    return members
+
+
+def zero_adapter(model_path: str, spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """A PEFT state dict of zeros for every targeted linear layer: the base model's outputs.
+
+    Shapes come from the model's config, built on the meta device (no weights loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in spec.target_modules:
+            state[f"base_model.model.{name}.lora_A.weight"] = torch.zeros(spec.rank, module.in_features)
+            state[f"base_model.model.{name}.lora_B.weight"] = torch.zeros(module.out_features, spec.rank)
+    return state
+
+
+def _run_config(run_dir: Path) -> Config:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (not a run directory?)")
+    return load_config(str(path), [])
+
+
+def load_problems(settings: Settings, options: dict) -> tuple[dict[str, list[Problem]], list[str]]:
+    """Problems per available benchmark, and one line per skipped benchmark."""
+    problems, skipped = {}, []
+    for name in settings.benchmarks:
+        try:
+            loaded = BENCHMARKS[name].load(settings.limit, DATA_SEED, options)
+        except DataMissing as exc:
+            skipped.append(f"{name}: skipped, {exc}")
+            print(f"populora eval: {skipped[-1]}", file=sys.stderr)
+            continue
+        if settings.max_new_tokens:
+            loaded = [_with_budget(p, settings.max_new_tokens) for p in loaded]
+        problems[name] = loaded
+        print(f"populora eval: {name}: {len(loaded)} problems", file=sys.stderr)
+    return problems, skipped
+
+
+def _with_budget(problem: Problem, tokens: int) -> Problem:
+    from dataclasses import replace
+
+    return replace(problem, max_new_tokens=tokens)
+
+
+@dataclass(frozen=True)
+class _Request:
+    adapter: Evaluated
+    problem: Problem
+    mode: str  # "greedy" or "sampled"
+    params: SamplingParams
+    prompt_tokens: int
+
+
+def _requests(adapters: Sequence[Evaluated], problems: dict[str, list[Problem]], settings: Settings,
+              tokenizer, max_len: int) -> tuple[list[_Request], list[tuple[Evaluated, Problem, str]]]:
+    """Generation requests, and the (adapter, problem, mode) whose prompt does not fit."""
+    from multilora.chat import chat_prompt_ids
+
+    lengths = {}
+    requests, too_long = [], []
+    for name, plist in problems.items():
+        for p in plist:
+            lengths[p.benchmark, p.id] = len(chat_prompt_ids(tokenizer, p.prompt, p.prefix))
+    for adapter in adapters:
+        for name, plist in problems.items():
+            modes = [("greedy", 1, 0.0)]
+            if settings.samples > 0 and BENCHMARKS[name].code:
+                modes.append(("sampled", settings.samples, settings.temperature))
+            for p in plist:
+                budget = min(p.max_new_tokens, max_len - lengths[p.benchmark, p.id])
+                for mode, n, temperature in modes:
+                    if budget < 16:
+                        too_long.append((adapter, p, mode))
+                        continue
+                    params = SamplingParams(temperature=temperature, top_p=settings.top_p if temperature else 1.0,
+                                            max_new_tokens=budget, stop=p.stop, n=n)
+                    requests.append(_Request(adapter, p, mode, params, lengths[p.benchmark, p.id]))
+    return requests, too_long
+
+
+def _generate(engine, requests: list[_Request], max_batch: int) -> list[tuple[_Request, list]]:
+    """Completions of every request, `max_batch` rows per engine call, with a progress bar."""
+    order = sorted(requests, key=lambda r: (r.params.max_new_tokens, r.prompt_tokens))
+    out = []
+    with tqdm(total=sum(r.params.n for r in order), desc="generate", unit="completion", file=sys.stderr) as bar:
+        start = 0
+        while start < len(order):
+            chunk, rows = [], 0
+            while start < len(order) and (not chunk or rows + order[start].params.n <= max_batch):
+                chunk.append(order[start])
+                rows += order[start].params.n
+                start += 1
+            results = engine.generate([r.adapter.name for r in chunk], [r.problem.prompt for r in chunk],
+                                      [r.params for r in chunk], [r.problem.prefix for r in chunk])
+            out += [(r, list(res.completions)) for r, res in zip(chunk, results)]
+            bar.update(rows)
+    return out
+
+
+def _score_all(items: list[tuple[Problem, str]], options: dict, workers: int) -> dict[tuple[str, str, str], Verdict]:
+    """Verdict per distinct (benchmark, problem id, completion text): identical answers run once."""
+    unique = list(dict.fromkeys((p.benchmark, p.id, text) for p, text in items))
+    by_id = {(p.benchmark, p.id): p for p, _ in items}
+
+    def score(key: tuple[str, str, str]) -> Verdict:
+        problem = by_id[key[:2]]
+        for attempt in range(3):
+            verdict = BENCHMARKS[problem.benchmark].score(problem, key[2], options)
+            # a zygote killed from outside (host memory pressure) is not the answer's fault
+            if "sandbox failure" not in verdict.reason:
+                return verdict
+            time.sleep(0.5 * (attempt + 1))
+        return verdict
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        verdicts = list(tqdm(pool.map(score, unique), total=len(unique), desc="score", unit="answer", file=sys.stderr))
+    return dict(zip(unique, verdicts))
+
+
+def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: Settings = Settings()) -> Path:
+    """Evaluate the run's members, the base and the baseline; returns the path of eval.md."""
+    run_dir = Path(run_dir)
+    cfg = _run_config(run_dir)
+    from multilora.embedded import resolve_model_path
+
+    model_path = str(resolve_model_path(cfg.model.path))
+    spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules))
+    adapters = load_members(run_dir, "member")
+    if not adapters:
+        print(f"populora eval: no adapters under {run_dir / 'adapters'}; evaluating the base only", file=sys.stderr)
+    if baseline:
+        baseline = Path(baseline)
+        other = _run_config(baseline)
+        if other.model.path != cfg.model.path:
+            raise ValueError(f"--baseline {baseline}: model.path {other.model.path!r} differs from {cfg.model.path!r}")
+        if (other.lora.rank, tuple(other.lora.target_modules)) != (spec.rank, spec.target_modules):
+            raise ValueError(f"--baseline {baseline}: its LoRA rank/target modules differ from the run's "
+                             "(one engine serves both); evaluate it on its own")
+        adapters += load_members(baseline, "baseline")
+    if settings.base:
+        adapters.append(Evaluated(BASE, "base", run_dir.name, BASE, BASE, zero_adapter(model_path, spec)))
+    options = {"paths": dict(settings.data), "timeout_s": settings.timeout_s, "workers": settings.workers}
+    problems, skipped = load_problems(settings, options)
+    if not problems:
+        raise DataMissing("no benchmark has data on this machine (see the messages above)")
+
+    from transformers import AutoTokenizer
+
+    from actors.inference import create_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    requests, too_long = _requests(adapters, problems, settings, tokenizer, cfg.model.max_model_len)
+    backend = settings.backend or cfg.inference.backend
+    max_batch = settings.max_batch or cfg.inference.max_batch
+    started = time.perf_counter()
+    engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch, settings.seed)
+    try:
+        engine.sync_adapters({a.name: a.state for a in adapters})
+        generated = _generate(engine, requests, max_batch)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    gen_seconds = time.perf_counter() - started
+    verdicts = _score_all([(r.problem, c.text) for r, cs in generated for c in cs], options, settings.workers)
+
+    samples = []
+    for r, completions in generated:
+        for i, c in enumerate(completions):
+            v = verdicts[(r.problem.benchmark, r.problem.id, c.text)]
+            samples.append(_sample_row(r.adapter, r.problem, r.mode, i, v, c.text, c.finish_reason))
+    for adapter, problem, mode in too_long:
+        samples.append(_sample_row(adapter, problem, mode, 0, Verdict(False, "prompt too long"), "", "skipped"))
+    rows = summarize(samples, settings.ks)
+    context = {"model": cfg.model.path, "backend": backend, "seed": settings.seed, "limit": settings.limit or 0}
+    pq.write_table(pa.Table.from_pylist(samples), run_dir / "eval_samples.parquet")
+    pq.write_table(pa.Table.from_pylist([{**r, **context} for r in rows]), run_dir / "eval.parquet")
+    decoding = "greedy decoding"
+    if settings.samples:
+        decoding += f", plus {settings.samples} samples per code problem at T={settings.temperature}, top-p {settings.top_p}"
+    notes = [
+        f"Model `{cfg.model.path}`, backend `{backend}`, seed {settings.seed}, {decoding}"
+        + (f", at most {settings.limit} problems per benchmark" if settings.limit else "") + ". Scores in percent"
+        + (f"; baseline: `{baseline}`." if baseline else "; no baseline run given."),
+        f"Generation: {gen_seconds:.0f} s for {sum(len(cs) for _, cs in generated)} completions.",
+        *(f"- {line}" for line in skipped),
+    ]
+    path = run_dir / "eval.md"
+    path.write_text(markdown(rows, f"Evaluation of {run_dir}", notes))
+    return path
+
+
+def _sample_row(adapter: Evaluated, problem: Problem, mode: str, index: int, verdict: Verdict, text: str,
+                finish: str) -> dict:
+    return {"who": adapter.who, "run": adapter.run, "member": adapter.member, "role": adapter.role,
+            "benchmark": problem.benchmark, "group": problem.group, "code": BENCHMARKS[problem.benchmark].code,
+            "problem": problem.id, "mode": mode, "sample": index, "correct": verdict.correct,
+            "reason": verdict.reason, "finish_reason": finish, "text": text}
+
+
