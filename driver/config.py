@@ -109,6 +109,8 @@ class RayConfig:
     num_cpus: int = 0  # 0: Ray's own count (embedded only)
     dashboard: bool = False
     actor_cpus: float = 0.0  # logical CPUs reserved by the inference server and the learner
+    inference_gpus: float = 0.0  # GPUs of the inference server (cluster: 1 or more)
+    learner_gpus: float = 0.0  # GPUs of the learner
     metrics_export_port: int = 0  # Prometheus endpoint of an embedded Ray (0: Ray picks one)
 
 

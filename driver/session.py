@@ -100,8 +100,8 @@ def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
     threads = 0 if cfg.ray.address else (os.cpu_count() or 1)  # a cluster node sets its own
-    heavy = {"num_cpus": cfg.ray.actor_cpus}
-    inference = InferenceServer.options(name=_free_name("InferenceServer"), **heavy).remote(
+    inference = InferenceServer.options(name=_free_name("InferenceServer"), num_cpus=cfg.ray.actor_cpus,
+                                        num_gpus=cfg.ray.inference_gpus).remote(
         cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
         cfg.run.seed, threads,
     )
@@ -109,7 +109,8 @@ def create_actors(cfg: Config) -> Actors:
         lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
         max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
     )
-    learner = Learner.options(name=_free_name("Learner"), **heavy).remote(
+    learner = Learner.options(name=_free_name("Learner"), num_cpus=cfg.ray.actor_cpus,
+                              num_gpus=cfg.ray.learner_gpus).remote(
         model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads
     )
     p = cfg.population
