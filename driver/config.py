@@ -60,6 +60,7 @@ class PopulationConfig:
     child_sigma: float = 25.0 / 3.0
     pfsp_weighting: str = "variance"  # f(x) = x(1-x); "hard": (1-x)^p
     pfsp_p: float = 1.0
+    probe_tasks: int = 6  # fixed probe per replacement: capability retention of child vs parent
 
 
 @dataclass

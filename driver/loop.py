@@ -40,6 +40,7 @@ from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
 from driver.session import Actors, create_actors, start_ray, stop_actors
 from driver.telemetry import Telemetry
+from evolution.population import Replacement
 from multilora.generation import SamplingParams
 from multilora.peft_io import save_adapter
 from multilora.trainer import TrainSample
@@ -85,7 +86,7 @@ def train_step(step: int, ctx: StepContext) -> dict[str, float]:
     tasks = [p.task for p in proposals if p.task is not None]
 
     with ctx.phase("solve"):
-        rollouts = solve(ctx, tasks, matches)
+        rollouts = solve(ctx, tasks, [matches[t.teacher] for t in tasks])
     solve_rates = task_solve_rates(tasks, rollouts)
 
     with ctx.phase("update"):
@@ -103,17 +104,26 @@ def train_step(step: int, ctx: StepContext) -> dict[str, float]:
 
 
 # ---- phases ----------------------------------------------------------------------------
-def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
+def sampling(cfg: Config, role: str, greedy: bool = False) -> SamplingParams:
+    """The step's sampling settings for a role; `greedy` for the deterministic probes."""
+    t = cfg.tasks
+    return SamplingParams(temperature=0.0 if greedy else t.temperature, top_p=t.top_p, stop=("</answer>",),
+                          max_new_tokens=t.propose_max_new_tokens if role == "teacher" else t.solve_max_new_tokens,
+                          n=1 if greedy or role == "teacher" else t.rollouts)
+
+
+def propose(ctx: StepContext, teachers: list[str], step: int, rng: np.random.Generator | None = None,
+            greedy: bool = False) -> list[Proposal]:
     """Every teacher writes `proposals_per_type` tasks of each type; the verifier validates."""
     t = ctx.cfg.tasks
-    params = SamplingParams(temperature=t.temperature, top_p=t.top_p, max_new_tokens=t.propose_max_new_tokens,
-                            stop=("</answer>",))
+    params = sampling(ctx.cfg, "teacher", greedy)
+    rng = ctx.rng if rng is None else rng
     jobs = []  # (teacher, task_type, references)
     for teacher in teachers:
         for task_type in t.types:
             for _ in range(t.proposals_per_type):
                 k = 1 if task_type == "code_f" else t.references
-                jobs.append((teacher, task_type, ctx.buffer.sample(task_type, k, ctx.rng)))
+                jobs.append((teacher, task_type, ctx.buffer.sample(task_type, k, rng)))
     prompts = [teacher_prompt(tt, refs, t.induction_inputs) for _, tt, refs in jobs]
     prefixes = [answer_prefix("teacher", tt) if t.answer_prefix else "" for _, tt, _ in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
@@ -149,14 +159,12 @@ def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
     return proposals
 
 
-def solve(ctx: StepContext, tasks: list[Task], matches: dict[str, str]) -> list[Rollout]:
-    """The matched student answers each valid task `rollouts` times; the verifier scores."""
+def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool = False) -> list[Rollout]:
+    """students[i] answers tasks[i] `rollouts` times (once if greedy); the verifier scores."""
     if not tasks:
         return []
     t = ctx.cfg.tasks
-    params = SamplingParams(temperature=t.temperature, top_p=t.top_p, max_new_tokens=t.solve_max_new_tokens,
-                            stop=("</answer>",), n=t.rollouts)
-    students = [matches[task.teacher] for task in tasks]
+    params = sampling(ctx.cfg, "student", greedy)
     prefixes = [answer_prefix("student", task.task_type) if t.answer_prefix else "" for task in tasks]
     outputs = ray.get(ctx.actors.inference.generate.remote(
         students, [student_prompt(task) for task in tasks], [params] * len(tasks), prefixes))
@@ -212,15 +220,55 @@ def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[fl
     return stats
 
 
-def evolve(ctx: StepContext, step: int) -> list:
-    """Replace the weakest teacher and student by children made in LoRA weight space."""
+def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
+    """Replace the weakest teacher and student by children made in LoRA weight space, and
+    measure each child's capability retention against its first parent."""
     actors = ctx.actors
     events = ray.get(actors.population.plan_replacements.remote(step))
     for e in events:
         ray.get(actors.learner.spawn_child.remote(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed))
     if events:
         ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
-    return events
+    return [(e, retention(ctx, e)) for e in events]
+
+
+def retention(ctx: StepContext, event: Replacement) -> dict:
+    """Child vs first parent on the same fixed probe, greedy (so the comparison is exact).
+
+    Student: solve rate on `population.probe_tasks` valid tasks drawn from the buffer.
+    Teacher: valid-proposal rate over one proposal batch (and its reward against a fixed
+    probe student, the best student by mu - 3 sigma). retention = child / parent, None when
+    the parent scores 0 (no capability to retain).
+    """
+    parent = event.parents[0]
+    probe_seed = [ctx.cfg.run.seed, event.step, event.role == "teacher"]
+    if event.role == "student":
+        rng = np.random.default_rng(probe_seed)
+        types = ctx.cfg.tasks.types
+        tasks = [task for i in range(ctx.cfg.population.probe_tasks)
+                 for task in ctx.buffer.sample(types[i % len(types)], 1, rng)]
+        scores = {}
+        for member in (parent, event.child):
+            rollouts = solve(ctx, tasks, [member] * len(tasks), greedy=True)
+            scores[member] = float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0
+        extra = {}
+    else:
+        ratings = ray.get(ctx.actors.population.ratings.remote())
+        students = ray.get(ctx.actors.population.members.remote())["students"]
+        judge = max(students, key=lambda m: (ratings[m]["conservative"], m))
+        scores, rewards = {}, {}
+        for member in (parent, event.child):
+            proposals = propose(ctx, [member], event.step, rng=np.random.default_rng(probe_seed), greedy=True)
+            tasks = [p.task for p in proposals if p.task is not None]
+            rates = task_solve_rates(tasks, solve(ctx, tasks, [judge] * len(tasks), greedy=True))
+            scores[member] = float(np.mean([p.valid for p in proposals]))
+            rewards[member] = float(np.mean([teacher_reward(p.valid, rates.get(id(p.task))) for p in proposals]))
+        extra = {"probe_student": judge, "parent_probe_reward": rewards[parent],
+                 "child_probe_reward": rewards[event.child]}
+    parent_score, child_score = scores[parent], scores[event.child]
+    return {"probe": "solve_rate" if event.role == "student" else "valid_rate", "parent_probe": parent_score,
+            "child_probe": child_score, "retention": child_score / parent_score if parent_score > 0 else None,
+            **extra}
 
 
 # ---- records ---------------------------------------------------------------------------
@@ -279,8 +327,11 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
     ctx.run.append("lineage", [{
         "step": e.step, "role": e.role, "child": e.child, "replaced": e.dead, "parents": list(e.parents),
         "operator": e.operator, "params": json.dumps(e.params), "parent_scores": list(e.parent_scores),
-        "replaced_score": e.dead_score, "seed": e.seed,
-    } for e in events])
+        "replaced_score": e.dead_score, "seed": e.seed, "probe": probe["probe"],
+        "parent_probe": probe["parent_probe"], "child_probe": probe["child_probe"], "retention": probe["retention"],
+        "probe_student": probe.get("probe_student"), "parent_probe_reward": probe.get("parent_probe_reward"),
+        "child_probe_reward": probe.get("child_probe_reward"),
+    } for e, probe in events])
     ctx.run.flush()
     summary = {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,

@@ -37,6 +37,10 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
             assert m["learner/update_norm"] and m["learner/update_norm"] > 0, m
     lineage = pq.read_table(run / "lineage.parquet").to_pylist()
     assert {row["role"] for row in lineage} == {"teacher", "student"}, lineage
+    for row in lineage:  # capability retention: child vs first parent on one fixed probe
+        assert row["probe"] == ("valid_rate" if row["role"] == "teacher" else "solve_rate")
+        assert 0.0 <= row["parent_probe"] <= 1.0 and 0.0 <= row["child_probe"] <= 1.0
+        assert row["retention"] is None if row["parent_probe"] == 0 else row["retention"] >= 0
     children = {row["child"] for row in lineage}
     replaced = {row["replaced"] for row in lineage}
     members = sorted(p.name for p in (run / "adapters").iterdir())
