@@ -77,6 +77,7 @@ class TasksConfig:
     top_p: float = 0.95
     buffer_size: int = 256
     answer_prefix: bool = True  # start each reply inside its <answer> block (see prompts.answer_prefix)
+    require_answer_close: bool = True  # false: an unclosed last <answer> block ends with the reply
 
 
 @dataclass

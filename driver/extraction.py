@@ -10,15 +10,25 @@ import re
 from dataclasses import dataclass
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# `require_close=False`: a last block left open is closed by the end of the reply. A 135M
+# model writes the block's content but rarely the closing tag before it runs on.
+_OPEN_ANSWER = re.compile(r"<answer>(?!.*<answer>)(.*?)(?:</answer>|\Z)", re.DOTALL)
 _FENCE = re.compile(r"```([A-Za-z]*)[ \t]*\n?(.*?)```", re.DOTALL)
 _PROGRAM_TAGS = ("python", "py", "")
 
 
-def extract_answer(text: str) -> str | None:
+def _answer_blocks(text: str, require_close: bool) -> list[str]:
+    blocks = _ANSWER.findall(text)
+    if not require_close and not blocks:
+        blocks = _OPEN_ANSWER.findall(text)
+    return blocks
+
+
+def extract_answer(text: str, require_close: bool = True) -> str | None:
     """The stripped content of the last complete `<answer>...</answer>` block, or None.
 
     A single fenced block inside is unwrapped (```python ... ``` -> its code)."""
-    blocks = _ANSWER.findall(text)
+    blocks = _answer_blocks(text, require_close)
     if not blocks:
         return None
     body = blocks[-1].strip()
@@ -42,9 +52,9 @@ class ParsedProposal:
     error: str | None = None  # why the text is malformed, if it is
 
 
-def parse_proposal(task_type: str, text: str, induction_inputs: int = 4) -> ParsedProposal:
+def parse_proposal(task_type: str, text: str, induction_inputs: int = 4, require_close: bool = True) -> ParsedProposal:
     """Pull the teacher's program/input (code_i, code_o) or inputs/message (code_f)."""
-    blocks = _ANSWER.findall(text)
+    blocks = _answer_blocks(text, require_close)
     if not blocks:
         return ParsedProposal(error="malformed: no <answer>...</answer> block")
     sections = fenced_sections(blocks[-1])

@@ -128,7 +128,7 @@ def propose(ctx: StepContext, teachers: list[str], step: int, rng: np.random.Gen
     prefixes = [answer_prefix("teacher", tt) if t.answer_prefix else "" for _, tt, _ in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
         [j[0] for j in jobs], prompts, [params] * len(jobs), prefixes))
-    parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs)
+    parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close)
               for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
     requests, asked = [], []
     for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
@@ -171,7 +171,7 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
     attempts, requests = [], []  # (task index, student, prompt ids, completion, answer)
     for i, (task, student, pre, out) in enumerate(zip(tasks, students, prefixes, outputs)):
         for c in out.completions:
-            answer = extract_answer(pre + c.text)
+            answer = extract_answer(pre + c.text, t.require_answer_close)
             attempts.append((i, student, out.prompt_ids, c, answer))
             if answer is not None:
                 requests.append(check_request(task, answer))

@@ -42,3 +42,13 @@ def test_parse_proposal_code_f_needs_distinct_inputs_and_reads_message():
     assert p.error is None and p.inputs == ("1", "2", "3", "4") and p.message == "adds one"
     short = parse_proposal("code_f", "<answer>```input\n1\n```\n```input\n1\n```</answer>", induction_inputs=4)
     assert short.error == "malformed: 1 distinct inputs, 4 needed"
+
+
+def test_open_answer_block_is_closed_by_the_end_only_when_allowed():
+    text = "<answer>\n```python\ndef f(x):\n    return x\n```\n```input\n3\n```\nand then some chatter"
+    assert parse_proposal("code_o", text).error.startswith("malformed: no <answer>")
+    p = parse_proposal("code_o", text, require_close=False)
+    assert p.error is None and p.input == "3"
+    assert extract_answer("<answer> [1, 2]", require_close=False) == "[1, 2]"
+    assert extract_answer("<answer>1</answer> <answer>2", require_close=False) == "1"  # a closed block wins
+    assert extract_answer("no block", require_close=False) is None
