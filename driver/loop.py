@@ -61,10 +61,11 @@ class StepContext:
     bar: tqdm
     telemetry: Telemetry = field(default_factory=Telemetry)
     seconds: dict[str, float] = field(default_factory=dict)
+    last: str = "valid=- solve=- t_reward=-"  # the previous step's figures, shown beside the phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self.bar.set_postfix_str(f"phase={name}", refresh=True)
+        self.bar.set_postfix_str(f"phase={name} {self.last}", refresh=True)
         set_position(phase=name)
         start = time.perf_counter()
         try:
@@ -474,8 +475,8 @@ def train(cfg: Config, resume: Path | None = None,
                 continue
             step += 1
             bar.update(1)
-            bar.set_postfix_str(
-                f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f}")
+            ctx.last = f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f}"
+            bar.set_postfix_str(f"phase=done {ctx.last}")
             log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f tasks %d replaced %d | %s", step,
                      s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["tasks"], s["replaced"],
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))

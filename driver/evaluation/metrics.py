@@ -59,7 +59,9 @@ def markdown(rows: Sequence[dict], title: str, notes: Sequence[str] = ()) -> str
     """eval.md: per benchmark and metric, each member, the population mean, the weakest
     member, the base model and the baseline run's mean (scores in percent)."""
     members = list(dict.fromkeys(r["member"] for r in rows if r["who"] == "member"))
-    lines = [f"# {title}", "", *notes, ""] if notes else [f"# {title}", ""]
+    lines = [f"# {title}", ""]
+    for note in notes:
+        lines += [note, ""]
     header = ["benchmark", "metric", "n", *members, "population mean", "weakest member", "base", "baseline"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     keys = list(dict.fromkeys((r["benchmark"], r["group"], r["metric"]) for r in rows))

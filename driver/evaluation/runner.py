@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,6 +61,7 @@ class Settings:
     max_new_tokens: int | None = None  # None: each benchmark's own budget
     max_batch: int | None = None  # None: the run's inference.max_batch
     workers: int = 2  # sandbox threads
+    threads: int = 1  # torch threads of the hf engine; 0: torch's default (see `evaluate`)
     timeout_s: float = 10.0
     base: bool = True
     data: tuple[tuple[str, str], ...] = ()  # (benchmark, local path)
@@ -75,7 +76,7 @@ class Evaluated:
     run: str
     member: str
     role: str
-    state: dict
+    state: dict = field(repr=False, compare=False)
 
 
 def resolve_benchmarks(spec: str) -> tuple[str, ...]:
@@ -102,7 +103,7 @@ def load_members(run_dir: Path, who: str) -> list[Evaluated]:
     for directory in sorted((run_dir / "adapters").glob("*")):
         if (directory / WEIGHTS_FILE).is_file():
             state, _ = load_adapter(directory)
-            members.append(Evaluated(f"{run_dir.name}:{directory.name}", who, run_dir.name, directory.name,
+            members.append(Evaluated(f"{who}:{directory.name}", who, run_dir.name, directory.name,
                                      _role(directory.name), state))
     return members
 
@@ -142,16 +143,10 @@ def load_problems(settings: Settings, options: dict) -> tuple[dict[str, list[Pro
             print(f"populora eval: {skipped[-1]}", file=sys.stderr)
             continue
         if settings.max_new_tokens:
-            loaded = [_with_budget(p, settings.max_new_tokens) for p in loaded]
+            loaded = [replace(p, max_new_tokens=settings.max_new_tokens) for p in loaded]
         problems[name] = loaded
         print(f"populora eval: {name}: {len(loaded)} problems", file=sys.stderr)
     return problems, skipped
-
-
-def _with_budget(problem: Problem, tokens: int) -> Problem:
-    from dataclasses import replace
-
-    return replace(problem, max_new_tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -179,9 +174,10 @@ def _requests(adapters: Sequence[Evaluated], problems: dict[str, list[Problem]],
             if settings.samples > 0 and BENCHMARKS[name].code:
                 modes.append(("sampled", settings.samples, settings.temperature))
             for p in plist:
-                budget = min(p.max_new_tokens, max_len - lengths[p.benchmark, p.id])
+                room = max_len - lengths[p.benchmark, p.id]
+                budget = min(p.max_new_tokens, room)
                 for mode, n, temperature in modes:
-                    if budget < 16:
+                    if room < min(16, p.max_new_tokens):
                         too_long.append((adapter, p, mode))
                         continue
                     params = SamplingParams(temperature=temperature, top_p=settings.top_p if temperature else 1.0,
@@ -264,6 +260,10 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     requests, too_long = _requests(adapters, problems, settings, tokenizer, cfg.model.max_model_len)
     backend = settings.backend or cfg.inference.backend
     max_batch = settings.max_batch or cfg.inference.max_batch
+    if settings.threads > 0:
+        # On a CPU shared with other jobs, torch's default (one thread per core) spins in
+        # OpenMP barriers: decoding was 8x slower with 2 threads than with 1 on 2 busy cores.
+        torch.set_num_threads(settings.threads)
     started = time.perf_counter()
     engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch, settings.seed)
     try:
@@ -282,20 +282,29 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
             samples.append(_sample_row(r.adapter, r.problem, r.mode, i, v, c.text, c.finish_reason))
     for adapter, problem, mode in too_long:
         samples.append(_sample_row(adapter, problem, mode, 0, Verdict(False, "prompt too long"), "", "skipped"))
-    rows = summarize(samples, settings.ks)
+    first: dict[tuple[str, str], int] = {}
+    for p in (p for plist in problems.values() for p in plist):
+        first.setdefault((p.benchmark, p.group), len(first))
+    rows = sorted(summarize(samples, settings.ks), key=lambda r: (
+        first[r["benchmark"], r["group"]], "T>0" in r["metric"], r["metric"].split("@")[-1].zfill(8)))
     context = {"model": cfg.model.path, "backend": backend, "seed": settings.seed, "limit": settings.limit or 0}
     pq.write_table(pa.Table.from_pylist(samples), run_dir / "eval_samples.parquet")
     pq.write_table(pa.Table.from_pylist([{**r, **context} for r in rows]), run_dir / "eval.parquet")
     decoding = "greedy decoding"
     if settings.samples:
-        decoding += f", plus {settings.samples} samples per code problem at T={settings.temperature}, top-p {settings.top_p}"
+        decoding += (f", plus {settings.samples} samples per code problem at T={settings.temperature}, "
+                     f"top-p {settings.top_p}")
     notes = [
         f"Model `{cfg.model.path}`, backend `{backend}`, seed {settings.seed}, {decoding}"
         + (f", at most {settings.limit} problems per benchmark" if settings.limit else "") + ". Scores in percent"
         + (f"; baseline: `{baseline}`." if baseline else "; no baseline run given."),
         f"Generation: {gen_seconds:.0f} s for {sum(len(cs) for _, cs in generated)} completions.",
-        *(f"- {line}" for line in skipped),
     ]
+    absent = [line.split(":", 1)[0] for line in skipped if "no local data" in line]
+    if absent:
+        notes.append(f"Skipped, no local data: {', '.join(absent)} (provide with --data NAME=PATH, "
+                     "$POPULORA_EVAL_<NAME> or $POPULORA_EVAL_DATA/<name>.jsonl; see README).")
+    notes += [f"Skipped {line.replace(': skipped, ', ': ', 1)}" for line in skipped if "no local data" not in line]
     path = run_dir / "eval.md"
     path.write_text(markdown(rows, f"Evaluation of {run_dir}", notes))
     return path
