@@ -14,13 +14,16 @@ from multilora.model import MultiLoraModel
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling; `temperature=0` is greedy. Stop strings stay in the text."""
+    """Per-request sampling; `temperature=0` is greedy. Stop strings stay in the text.
+    `ignore_eos` keeps sampling past the end-of-sequence token (benchmarks: exactly
+    `max_new_tokens` per row), as vLLM's option of that name."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     n: int = 1
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
             generator: torch.Generator | None) -> torch.Tensor:
     """One token per row: greedy where temperature == 0, else nucleus sampling."""
     greedy = logits.argmax(dim=-1)
+    if not bool((temperature > 0).any()):  # an all-greedy batch needs no sort over the vocabulary
+        return greedy
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -62,7 +67,7 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
     return torch.where(temperature > 0, sampled, greedy)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationRequest],
                    generator: torch.Generator | None) -> list[Completion]:
     from transformers import DynamicCache
@@ -80,30 +85,38 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     budget = [r.params.max_new_tokens for r in rows]
     out: list[list[int]] = [[] for _ in rows]
     reason = ["length"] * batch
-    done = [False] * batch
+    live = list(range(batch))  # rows still generating; finished rows leave the batch
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     step_ids = input_ids
     with model.route([r.adapter for r in rows]):
         for _ in range(max(budget)):
+            # logits_to_keep=1: the prompt's positions never go through the LM head
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True).logits[:, -1, :]
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
             tokens = _sample(logits, temperature, top_p, generator).tolist()
-            for i, tok in enumerate(tokens):
-                if done[i]:
-                    continue
+            keep = []
+            for k, (i, tok) in enumerate(zip(live, tokens)):
                 out[i].append(tok)
-                if tok in eos_ids:
-                    done[i], reason[i] = True, "stop"
+                if tok in eos_ids and not rows[i].params.ignore_eos:
+                    reason[i] = "stop"
                 elif rows[i].params.stop and _hits_stop(tokenizer, out[i], rows[i].params.stop):
-                    done[i], reason[i] = True, "stop"
-                elif len(out[i]) >= budget[i]:
-                    done[i] = True
-            if all(done):
+                    reason[i] = "stop"
+                elif len(out[i]) < budget[i]:
+                    keep.append(k)
+            if not keep:
                 break
             step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
             positions = positions[:, -1:] + 1
+            if len(keep) < len(live):  # drop finished rows: later steps cost only what is left
+                index = torch.tensor(keep, dtype=torch.long)
+                cache.batch_select_indices(index)
+                step_ids, mask, positions = step_ids[index], mask[index], positions[index]
+                temperature, top_p = temperature[index], top_p[index]
+                if model.routing.slots is not None:
+                    model.routing.slots = model.routing.slots[index]
+                live = [live[k] for k in keep]
     return [
         Completion(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids), finish_reason=reason[i])
         for i, ids in enumerate(out)

@@ -3,9 +3,18 @@
     y_i = W x_i + s * B_{a(i)} A_{a(i)} x_i          (Hu et al. 2021, LoRA; s = alpha / r)
 
 for every row `i` of a batch routed to adapter slot `a(i)`. All slots of a layer are
-stacked into `A: [N, r, in]`, `B: [N, out, r]`; one gather plus two batched matmuls
-apply each row's own adapter in a single pass (the S-LoRA / Punica idea without custom
-kernels), so a batch that mixes eight adapters costs what a batch of one does.
+stacked into `A: [N, r, in]`, `B^T: [N, r, out]` and applied in one pass (the S-LoRA /
+Punica idea without custom kernels), so a batch that mixes eight adapters costs what a
+batch of one does. Two equivalent kernels, chosen per call by shape:
+
+- gather (prefill, training): `A_{a(i)}`, `B_{a(i)}` gathered per row, two batched
+  matmuls. Its cost grows with rows x (in + out) x r, amortised over each row's tokens.
+- dense (decoding, few tokens per row): every slot for every row in two plain GEMMs,
+  `h = x A_cat^T` `[tokens, N r]`, masked to the row's own slot's `r` columns, then
+  `y += s h B_cat`. It reads each slot's factors once instead of copying them per row
+  (profiled: the per-row gather was 1.7x the base linear's time at 16 rows x 1 token).
+  The mask zeroes other slots exactly, so a row's result does not depend on its
+  neighbours and gradients of other slots are exactly zero.
 """
 
 from __future__ import annotations
@@ -13,15 +22,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The dense kernel computes all N slots for every token; it wins while the per-row
+# gather is not amortised over the row's tokens. One 576x576 layer, 8 slots of rank 16,
+# 16 rows, CPU: 1 token per row (decoding) dense 1.3x the bare linear, gather 2.4x;
+# 40 tokens per row (a prompt) dense 5.5x, gather 3.9x.
+DENSE_MAX_TOKENS_PER_ROW = 1
+
 
 class Routing:
     """Which adapter slot each row of the current batch uses; shared by all layers of a model.
 
-    `slots` is a LongTensor `[batch]`, or None to run the bare base model.
+    `slots` is a LongTensor `[batch]`, or None to run the bare base model. The row masks
+    of the dense kernel depend only on the slots, so they are built once per routing and
+    shared by every layer.
     """
 
     def __init__(self) -> None:
-        self.slots: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self._used: tuple[list[int], torch.Tensor] | None = None
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        return self._slots
+
+    @slots.setter
+    def slots(self, value: torch.Tensor | None) -> None:
+        self._slots = value
+        self._masks = {}
+        self._used = None
+
+    def used_slots(self) -> tuple[list[int], torch.Tensor]:
+        """The distinct slots of this batch, and each row's index into that list."""
+        if self._used is None:
+            used, local = torch.unique(self._slots, sorted=True, return_inverse=True)
+            self._used = (used.tolist(), local)
+        return self._used
+
+    def row_mask(self, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`[batch, 1, n_slots * rank]`: 1 on the columns of each row's own slot, else 0."""
+        key = (n_slots, rank, dtype, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            slots = self._slots.to(device)
+            mask = torch.zeros(slots.shape[0], n_slots, rank, dtype=dtype, device=device)
+            mask[torch.arange(slots.shape[0], device=device), slots] = 1
+            mask = mask.reshape(slots.shape[0], 1, n_slots * rank)
+            self._masks[key] = mask
+        return mask
 
 
 class MultiLoraLinear(nn.Module):
@@ -52,12 +100,10 @@ class MultiLoraLinear(nn.Module):
         self._stacked = None
 
     def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        needs_grad = torch.is_grad_enabled() and self.lora_A[0].requires_grad
-        if needs_grad:  # fresh stacks so gradients flow back to each slot's own Parameter
-            return torch.stack(list(self.lora_A)), torch.stack(list(self.lora_B))
+        """Cached `A: [N, r, in]` and `B^T: [N, r, out]` of every slot, without gradients."""
         if self._stacked is None:
             with torch.no_grad():
-                self._stacked = (torch.stack(list(self.lora_A)), torch.stack(list(self.lora_B)))
+                self._stacked = (torch.stack(list(self.lora_A)), torch.stack([b.T for b in self.lora_B]))
         return self._stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +111,24 @@ class MultiLoraLinear(nn.Module):
         slots = self.routing.slots
         if slots is None:
             return out
-        a, b = self._stacks()
-        a_rows = a.index_select(0, slots)  # [batch, r, in]
-        b_rows = b.index_select(0, slots)  # [batch, out, r]
         flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
-        delta = torch.bmm(torch.bmm(flat, a_rows.transpose(1, 2)), b_rows.transpose(1, 2))
+        if torch.is_grad_enabled() and self.lora_A[0].requires_grad:
+            # training: stack only this batch's slots, so gradients (and their memory)
+            # reach exactly the adapters of its rows
+            used, local = self.routing.used_slots()
+            a = torch.stack([self.lora_A[s] for s in used])
+            bt = torch.stack([self.lora_B[s].T for s in used])
+            delta = torch.bmm(torch.bmm(flat, a.index_select(0, local).transpose(1, 2)), bt.index_select(0, local))
+            return out + (self.scaling * delta).reshape(out.shape)
+        a, bt = self._stacks()
+        if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW:
+            # dense kernel: views [N r, in] and [N r, out] of the stacks, no copy
+            n_cols = a.shape[0] * a.shape[1]
+            h = (flat @ a.view(n_cols, -1).T) * self.routing.row_mask(a.shape[0], a.shape[1], x.dtype, x.device)
+            flat_out = out.reshape(-1, out.shape[-1])
+            return torch.addmm(flat_out, h.reshape(-1, n_cols), bt.view(n_cols, -1), alpha=self.scaling
+                               ).reshape(out.shape)
+        a_rows = a.index_select(0, slots)  # [batch, r, in]
+        bt_rows = bt.index_select(0, slots)  # [batch, r, out]
+        delta = torch.bmm(torch.bmm(flat, a_rows.transpose(1, 2)), bt_rows)
         return out + (self.scaling * delta).reshape(out.shape)
