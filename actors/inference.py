@@ -16,7 +16,7 @@ import torch
 
 from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class HFEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype)), spec, n_slots)
+        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype), default_device()), spec, n_slots)
         self.max_batch = max_batch
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -13,8 +13,19 @@ import ray
 import torch
 
 from evolution import OPERATORS
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
+
+
+def _to_cpu(value):
+    """Tensors of a nested state moved to the CPU (the driver that checkpoints has no GPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 class LearnerCore:
@@ -25,7 +36,7 @@ class LearnerCore:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype)), spec, n_slots)
+        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype), default_device()), spec, n_slots)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.trainer = PolicyTrainer(self.model, settings, pad_id)
 
@@ -45,7 +56,7 @@ class LearnerCore:
         """Adapters in slot order and each one's AdamW state."""
         names = sorted(self.model.slot_of, key=self.model.slot_of.get)
         return {"adapters": {n: self.model.export_adapter(n) for n in names},
-                "optimizers": {n: self.trainer.optimizers[n].state_dict() for n in names}}
+                "optimizers": {n: _to_cpu(self.trainer.optimizers[n].state_dict()) for n in names}}
 
     def load_state_dict(self, state: dict) -> None:
         for name in list(self.model.slot_of):

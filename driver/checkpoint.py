@@ -93,5 +93,5 @@ def load(directory: Path) -> tuple[int, dict[str, Any]]:
             raise CheckpointError(f"{path}: missing (partial checkpoint?)") from None
         if len(data) != meta["bytes"] or _sha256(data) != meta["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch (corrupt checkpoint)")
-        parts[filename[: -len(".pt")]] = torch.load(io.BytesIO(data), weights_only=False)
+        parts[filename[: -len(".pt")]] = torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
     return step, parts

@@ -80,8 +80,10 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     for i, r in enumerate(rows):  # left padding keeps every row's next token at the end
         input_ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
         mask[i, longest - len(r.prompt_ids):] = 1
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+    device = model.device
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
     budget = [r.params.max_new_tokens for r in rows]
     out: list[list[int]] = [[] for _ in rows]
     reason = ["length"] * batch
@@ -106,11 +108,11 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
                     keep.append(k)
             if not keep:
                 break
-            step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
+            step_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long, device=device)], dim=1)
             positions = positions[:, -1:] + 1
             if len(keep) < len(live):  # drop finished rows: later steps cost only what is left
-                index = torch.tensor(keep, dtype=torch.long)
+                index = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
                 step_ids, mask, positions = step_ids[index], mask[index], positions[index]
                 temperature, top_p = temperature[index], top_p[index]

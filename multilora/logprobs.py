@@ -48,6 +48,8 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     logits small (the prompt's share of a long sequence never materialises).
     """
     base = model.base
+    device = model.device
+    batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device))
     with model.route(adapters):
         hidden = base.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     hidden = hidden[:, :-1, :]

@@ -33,8 +33,13 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
-def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a local HF causal LM (no hub access), frozen, in eval mode."""
+def default_device() -> str:
+    """The GPU when there is one (cluster), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    """Load a local HF causal LM (no hub access), frozen, in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -42,7 +47,7 @@ def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     model.requires_grad_(False)
     model.eval()
-    return model
+    return model.to(device)
 
 
 class MultiLoraModel(nn.Module):
@@ -128,8 +133,9 @@ class MultiLoraModel(nn.Module):
         slot = self.slot_of[name]
         state = {}
         for module_name, layer in self.layers.items():
-            state[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = layer.lora_A[slot].detach().clone()
-            state[f"{PEFT_PREFIX}{module_name}.lora_B.weight"] = layer.lora_B[slot].detach().clone()
+            # always a CPU copy: it travels through the object store to other processes/nodes
+            state[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = layer.lora_A[slot].detach().to("cpu", copy=True)
+            state[f"{PEFT_PREFIX}{module_name}.lora_B.weight"] = layer.lora_B[slot].detach().to("cpu", copy=True)
         return state
 
     def peft_keys(self) -> Iterator[str]:
@@ -154,12 +160,16 @@ class MultiLoraModel(nn.Module):
         for layer in self.layers.values():
             layer.invalidate()
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
     # ---- routing --------------------------------------------------------------------
     def slots_for(self, names: Sequence[str | None]) -> torch.Tensor:
         if any(n is None for n in names):
             raise ValueError("every row needs an adapter; route(None) runs the bare base model")
         try:
-            return torch.tensor([self.slot_of[n] for n in names], dtype=torch.long)
+            return torch.tensor([self.slot_of[n] for n in names], dtype=torch.long, device=self.device)
         except KeyError as e:
             raise KeyError(f"adapter {e.args[0]!r} is not loaded (loaded: {sorted(self.slot_of)})") from None
 

@@ -101,11 +101,12 @@ class PolicyTrainer:
                 packed = pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], self.pad_id)
                 logp = token_logprobs(self.model, packed, adapters)
                 old_logp = torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
-                adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype)
-                per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
+                adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
+                per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask.to(logp.device),
+                                            self.settings.clip_eps)
                 # mean over each adapter's rows, summed over adapters: every adapter's
                 # gradient has the same scale whatever its share of the batch
-                weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype)
+                weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=per_seq.device)
                 (per_seq * weights).sum().backward()
                 for row, a in enumerate(adapters):
                     stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
