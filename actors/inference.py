@@ -17,6 +17,7 @@ import torch
 from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
+from multilora.packing import PackedAdapters, unpack
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ class InferenceServer:
 
     def sync_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         return self.engine.sync_adapters(adapters)
+
+    def sync_packed(self, packed: PackedAdapters) -> list[str]:
+        """`sync_adapters` from `Learner.export_packed` (one buffer through the object store)."""
+        return self.engine.sync_adapters(unpack(packed))
 
     def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
                  prefixes: list[str] | None = None) -> list[RequestOutput]:

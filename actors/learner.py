@@ -14,6 +14,7 @@ import torch
 
 from evolution import OPERATORS
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
+from multilora.packing import PackedAdapters, pack
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
 
@@ -102,6 +103,10 @@ class Learner:
 
     def export_adapters(self, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         return self.core.export_adapters(names)
+
+    def export_packed(self) -> PackedAdapters:
+        """Every adapter in one flat buffer: what the sync to the inference server carries."""
+        return pack(self.core.export_adapters())
 
     def update(self, samples: list[TrainSample]) -> dict[str, dict[str, float]]:
         return self.core.update(samples)

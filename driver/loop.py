@@ -216,9 +216,16 @@ def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[fl
                for (adapter, _, _, prompt, completion, _), adv in zip(rows, advantages)]
     actors = ctx.actors
     stats = ray.get(actors.learner.update.remote(samples))
-    # the ObjectRef goes straight to the inference server: tensors never visit the driver
-    ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+    sync_adapters(actors)
     return stats
+
+
+def sync_adapters(actors: Actors) -> None:
+    """Learner -> object store -> inference server, all adapters in one flat buffer.
+
+    The ObjectRef goes straight to the inference server: the tensors never visit the driver
+    and never touch a disk."""
+    ray.get(actors.inference.sync_packed.remote(actors.learner.export_packed.remote()))
 
 
 def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
@@ -229,7 +236,7 @@ def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
     for e in events:
         ray.get(actors.learner.spawn_child.remote(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed))
     if events:
-        ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+        sync_adapters(actors)
     return [(e, retention(ctx, e)) for e in events]
 
 
@@ -400,7 +407,7 @@ def restore_checkpoint(ctx: StepContext) -> int:
     ray.get([a.learner.load_state_dict.remote(parts["learner"]),
              a.inference.load_state_dict.remote(parts["inference"]),
              a.population.load_state_dict.remote(parts["population"])])
-    ray.get(a.inference.sync_adapters.remote(a.learner.export_adapters.remote()))
+    sync_adapters(a)
     d = parts["driver"]
     ctx.buffer.load_state_dict(d["buffer"])
     ctx.rng.bit_generator.state = d["rng"]
@@ -416,7 +423,7 @@ def start_run(cfg: Config, actors: Actors, ctx_factory) -> StepContext:
     members = ray.get(actors.population.members.remote())
     ray.get(actors.learner.init_members.remote(
         list(dict.fromkeys(members["teachers"] + members["students"])), cfg.run.seed))
-    ray.get(actors.inference.sync_adapters.remote(actors.learner.export_adapters.remote()))
+    sync_adapters(actors)
     return ctx_factory(seed_buffer(cfg, actors))
 
 

@@ -116,3 +116,13 @@ def test_trainer_updates_only_adapters_in_the_batch(model, tokenizer):
     assert set(stats) == {"a", "c"}
     changed = {n: any(not torch.equal(before[n][k], v) for k, v in model.export_adapter(n).items()) for n in before}
     assert changed == {"a": True, "b": False, "c": True}
+
+
+def test_dense_decode_kernel_equals_the_gather_kernel(model):
+    """One token per row takes the dense kernel, a prompt the gather kernel; causal attention
+    makes position 0's logits comparable between the two."""
+    ids = torch.randint(0, 5000, (3, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), model.route(["c", "a", "b"]):
+        gathered = model(input_ids=ids).logits[:, 0]
+        dense = model(input_ids=ids[:, :1]).logits[:, 0]
+    assert torch.allclose(dense, gathered, atol=1e-5), f"max diff {(dense - gathered).abs().max():.2e}"

@@ -1,0 +1,123 @@
+"""Population overhead of the learner: one update of 8 adapters vs 1 at equal total tokens.
+
+    python -m bench.learner [--quick]
+
+Two `PolicyTrainer`s on SmolLM2-135M-Instruct (rank-16 adapters on every projection):
+one holds 8 adapters and gets a batch whose rows cycle through all 8, the other holds
+one adapter and gets the same token ids, all on that adapter. Each `update` recomputes
+the old log-probs, runs forward + backward over the mixed micro-batches and steps every
+adapter's own AdamW after its own gradient clip. The two are timed alternately (the
+order flips every rep) so machine noise hits both alike; the figure is the ratio of the
+medians. Target (DESIGN.md section 5, issue 4): step8_vs_step1 <= 1.10. Prints a table,
+then one JSON line, also written to ``bench/results/learner.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.evolution import make_adapter
+from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+TARGET = 1.10
+RANK, ALPHA = 16, 32.0
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_trainer(base: torch.nn.Module, n_adapters: int, micro_batch: int) -> PolicyTrainer:
+    model = MultiLoraModel(copy.deepcopy(base), LoraSpec(RANK, ALPHA, MODULES), n_adapters)
+    for i in range(n_adapters):
+        model.add_adapter(f"a{i}", make_adapter("135m", seed=i, rank=RANK))
+    trainer = PolicyTrainer(model, TrainerSettings(lr=1e-5, micro_batch=micro_batch), pad_id=0)
+    for i in range(n_adapters):
+        trainer.reset_optimizer(f"a{i}")
+    return trainer
+
+
+def make_samples(count: int, prompt_len: int, completion_len: int, adapters: int, seed: int) -> list[TrainSample]:
+    """`count` rollouts with lengths varying +-25% around the given ones (padding is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        p = prompt_len + int(torch.randint(-prompt_len // 4, prompt_len // 4 + 1, (1,), generator=g))
+        c = completion_len + int(torch.randint(-completion_len // 4, completion_len // 4 + 1, (1,), generator=g))
+        ids = torch.randint(1, 49000, (p + c,), generator=g).tolist()
+        advantage = float(torch.randn((), generator=g))
+        samples.append(TrainSample(f"a{i % adapters}", tuple(ids[:p]), tuple(ids[p:]), advantage))
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 rollouts of 32+32 tokens, 2 reps "
+                                                             "(default 32 of 64+64, 3 reps)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine, OpenMP threads that outnumber "
+                             "free cores spin at every barrier and times collapse, measured 10x+)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    count, prompt_len, completion_len, reps = (16, 32, 32, 2) if args.quick else (32, 64, 64, 3)
+    micro_batch = 8
+
+    from multilora.embedded import prepare
+
+    base = load_base_model(str(prepare("smollm2-135m-instruct")))
+    trainers = {8: make_trainer(base, 8, micro_batch), 1: make_trainer(base, 1, micro_batch)}
+    del base
+    batches = {n: make_samples(count, prompt_len, completion_len, n, seed=0) for n in trainers}
+    assert [s.prompt_ids + s.completion_ids for s in batches[8]] == \
+        [s.prompt_ids + s.completion_ids for s in batches[1]], "both runs must see the same tokens"
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batches[8])
+
+    warm = make_samples(micro_batch, 8, 8, 8, seed=1)
+    for n, trainer in trainers.items():  # first calls pay for lazy init; keep them out of the timings
+        trainer.update([TrainSample(f"a{i % n}", s.prompt_ids, s.completion_ids, s.advantage)
+                        for i, s in enumerate(warm)])
+
+    seconds: dict[int, list[float]] = {8: [], 1: []}
+    for rep in range(reps):
+        for n in ((8, 1) if rep % 2 == 0 else (1, 8)):
+            start = time.perf_counter()
+            stats = trainers[n].update(batches[n])
+            seconds[n].append(time.perf_counter() - start)
+            assert len(stats) == n, f"expected {n} adapters stepped, saw {sorted(stats)}"
+    median = {n: statistics.median(v) for n, v in seconds.items()}
+    ratio = median[8] / median[1]
+
+    print(f"learner update, smollm2-135m-instruct, rank {RANK}, {count} rollouts, {tokens} tokens, "
+          f"micro-batch {micro_batch}, torch threads {torch.get_num_threads()}, reps {reps}")
+    for n in (1, 8):
+        print(f"{n} adapter(s): median {median[n]:.2f} s   reps " + " ".join(f"{s:.2f}" for s in seconds[n]))
+    print(f"step8_vs_step1 = {ratio:.3f} (target <= {TARGET})")
+    result = {
+        "step8_vs_step1": ratio,
+        "target": TARGET,
+        "seconds": {"adapters_8": seconds[8], "adapters_1": seconds[1]},
+        "median_seconds": {"adapters_8": median[8], "adapters_1": median[1]},
+        "rollouts": count,
+        "tokens": tokens,
+        "micro_batch": micro_batch,
+        "rank": RANK,
+        "reps": reps,
+        "torch_threads": torch.get_num_threads(),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

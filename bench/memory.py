@@ -1,0 +1,132 @@
+"""Resident memory of the inference engine and the learner with 1, 8 and 16 adapters.
+
+    python -m bench.memory [--quick]
+
+Each figure comes from a fresh subprocess holding SmolLM2-135M-Instruct with N rank-16
+adapters on every projection (N = 1, 8, 16):
+- inference: an `HFEngine` with N adapters synced in, after one short mixed generation
+  (so its stacked inference copies exist);
+- learner: a `LearnerCore` with N members, after one `update` touching all of them (so
+  every AdamW state exists).
+RSS is read after `gc` and `malloc_trim` (memory the process could hand back is not
+counted); the peak (VmHWM) is reported too. `extra_mb_per_adapter` = (rss_16 - rss_1) / 15,
+compared with the adapter's own size (`adapter_mb`). Target (issue 4): at most 3x the
+adapter per added member (the base is never copied; AdamW state is about 2x the
+adapter). Prints a table, then one JSON line, also written to ``bench/results/memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
+TARGET_X_ADAPTER = 3.0
+COUNTS = (1, 8, 16)
+RANK, ALPHA = 16, 32.0
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _settle() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: RSS may include freed memory
+        pass
+
+
+def child(kind: str, n: int) -> dict[str, float]:
+    """Build one engine in this (fresh) process and measure it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    from multilora.embedded import prepare
+    from multilora.generation import SamplingParams
+    from multilora.model import LoraSpec
+    from multilora.trainer import TrainerSettings, TrainSample
+
+    path = str(prepare("smollm2-135m-instruct"))
+    spec = LoraSpec(RANK, ALPHA, MODULES)
+    names = [f"m{i}" for i in range(n)]
+    adapter_bytes = 0
+    if kind == "inference":
+        from actors.inference import HFEngine
+
+        engine = HFEngine(path, spec, n)
+        shapes = _adapter_shapes(engine.model)
+        states = {}
+        for i, name in enumerate(names):
+            g = torch.Generator().manual_seed(i)
+            states[name] = {k: torch.randn(shape, generator=g) * 0.01 for k, shape in shapes.items()}
+        adapter_bytes = sum(t.numel() * t.element_size() for t in states[names[0]].values())
+        engine.sync_adapters(states)
+        del states
+        engine.generate(names, ["Say hi."] * n, [SamplingParams(temperature=0.0, max_new_tokens=2)] * n)
+    else:
+        from actors.learner import LearnerCore
+
+        core = LearnerCore(path, spec, n, TrainerSettings(micro_batch=8))
+        core.init_members(names, seed=0)
+        adapter_bytes = sum(p.numel() * p.element_size() for p in core.model.adapter_parameters(names[0]))
+        core.update([TrainSample(name, (1, 2, 3, 4), (5, 6, 7, 8), 1.0) for name in names])
+    _settle()
+    return {"rss_mb": _status_mb("VmRSS"), "peak_mb": _status_mb("VmHWM"), "adapter_mb": adapter_bytes / 2**20}
+
+
+def _adapter_shapes(model) -> dict:
+    """PEFT key -> shape of one adapter of `model` (through a transient slot)."""
+    model.add_adapter("_shape")
+    shapes = {k: tuple(v.shape) for k, v in model.export_adapter("_shape").items()}
+    model.remove_adapter("_shape")
+    return shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="same measurement (each figure is one process)")
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        return
+
+    figures: dict[str, dict[int, dict[str, float]]] = {"inference": {}, "learner": {}}
+    for n in COUNTS:  # interleaved kinds, each figure in a fresh process
+        for kind in figures:
+            proc = subprocess.run([sys.executable, "-m", "bench.memory", "--child", kind, str(n)],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"bench.memory child {kind} {n} failed:\n{proc.stderr[-2000:]}")
+            figures[kind][n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    size = figures["inference"][1]["adapter_mb"]
+    result: dict[str, object] = {"adapter_mb": size, "target_extra_x_adapter": TARGET_X_ADAPTER}
+    print(f"resident memory, smollm2-135m-instruct, rank {RANK}, adapter {size:.1f} MB")
+    print(f"{'':<10}" + "".join(f"{f'rss {n}':>10}" for n in COUNTS) + f"{'extra/adapter':>15}{'x adapter':>11}")
+    for kind, rows in figures.items():
+        extra = (rows[COUNTS[-1]]["rss_mb"] - rows[COUNTS[0]]["rss_mb"]) / (COUNTS[-1] - COUNTS[0])
+        result[kind] = {**{f"rss_mb_{n}": rows[n]["rss_mb"] for n in COUNTS},
+                        **{f"peak_mb_{n}": rows[n]["peak_mb"] for n in COUNTS},
+                        "extra_mb_per_adapter": extra, "extra_x_adapter": extra / size}
+        print(f"{kind:<10}" + "".join(f"{rows[n]['rss_mb']:>10.0f}" for n in COUNTS)
+              + f"{extra:>15.1f}{extra / size:>11.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

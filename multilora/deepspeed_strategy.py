@@ -1,0 +1,191 @@
+"""Optional DeepSpeed strategy for the learner on GPU: ZeRO-2 over the adapter parameters,
+data parallel across the learner's GPUs. Never on the default path; `deepspeed` is
+imported only when this strategy is built.
+
+What it does, against the torch strategy (`multilora.trainer.PolicyTrainer`):
+- the frozen base is replicated on every rank (in bf16); only adapter parameters are
+  handed to DeepSpeed, one optimizer parameter group per adapter, so ZeRO-2 partitions
+  their fp32 master copies, AdamW moments and gradients across the ranks;
+- every rank takes `samples[rank::world]` of an update (data parallel) and accumulates
+  the same clipped policy-gradient loss (`logprobs.clipped_pg_loss`), weighted by
+  1 / (rows of the adapter in the *whole* update) so the sum over ranks equals the
+  torch strategy's loss; DeepSpeed averages gradients over ranks, hence the x world;
+- `reset_optimizer(name)` zeroes that adapter's moments and step in its partition
+  (a replaced member's state resets alone) and `reload_weights()` refreshes the fp32
+  master copies after the model's adapters were overwritten (evolution, resume).
+
+Known differences, unverified on GPU (no GPU nor deepspeed where this was written):
+- clipping is DeepSpeed's global `gradient_clipping` over all adapters: ZeRO-2 clips
+  inside its fused step and exposes no per-group hook; per-adapter clipping holds on
+  the torch strategy only;
+- `reset_optimizer` and `reload_weights` reach into DeepSpeed's ZeRO-1/2 optimizer
+  (`single_partition_of_fp32_groups`, `_restore_from_bit16_weights`), attributes of
+  deepspeed 0.14-0.16 that may move in other versions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from multilora.logprobs import clipped_pg_loss, pack, token_logprobs
+from multilora.model import MultiLoraModel
+from multilora.trainer import TrainerSettings, TrainSample
+
+
+def require_deepspeed():
+    """Import deepspeed, or fail with one line naming the missing package and the way out."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            "the DeepSpeed learner strategy needs the 'deepspeed' package (pip install deepspeed, or the "
+            "'gpu' extra); the default torch strategy needs nothing extra"
+        ) from e
+    return deepspeed
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The knobs of the strategy; everything else comes from `TrainerSettings`."""
+
+    zero_stage: int = 2
+    bf16: bool = True
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    offload_optimizer: bool = False  # ZeRO-Offload of the fp32 master + moments to CPU
+
+
+def deepspeed_config(settings: TrainerSettings, ds: DeepSpeedSettings, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config for one learner update (pure: testable without deepspeed).
+
+    One `engine.step()` per update: the micro-batches of a rank are accumulated with
+    `set_gradient_accumulation_boundary`, so `gradient_accumulation_steps` is nominal.
+    """
+    if ds.zero_stage not in (1, 2):
+        raise ValueError(f"learner.deepspeed.zero_stage: must be 1 or 2, got {ds.zero_stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "allgather_bucket_size": ds.allgather_bucket_size,
+    }
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": settings.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": settings.micro_batch * world_size,
+        "gradient_clipping": settings.max_grad_norm,
+        "bf16": {"enabled": ds.bf16},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": settings.lr, "weight_decay": settings.weight_decay, "torch_adam": True,
+                       "adam_w_mode": True},
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+class DeepSpeedPolicyTrainer:
+    """`PolicyTrainer`'s interface (`update`, `reset_optimizer`, `drop_optimizer`) on DeepSpeed.
+
+    Every adapter slot is one parameter group, present from the start (slots are fixed);
+    a member entering a slot gets its state reset with `reset_optimizer`.
+    """
+
+    def __init__(self, model: MultiLoraModel, settings: TrainerSettings, pad_id: int,
+                 ds: DeepSpeedSettings = DeepSpeedSettings()) -> None:
+        deepspeed = require_deepspeed()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            deepspeed.init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.model = model
+        self.settings = settings
+        self.pad_id = pad_id
+        model.set_trainable(True)
+        self.groups = [{"params": [layer.lora_A[s] for layer in model.layers.values()]
+                        + [layer.lora_B[s] for layer in model.layers.values()], "name": f"slot-{s}"}
+                       for s in range(model.n_slots)]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=self.groups, config=deepspeed_config(settings, ds, self.world))
+
+    # ---- optimizer state per adapter ------------------------------------------------
+    def reset_optimizer(self, name: str) -> None:
+        """Zero the AdamW moments and step of `name`'s slot (its group), on this rank's partition."""
+        group = self.model.slot_of[name]
+        zero = self.engine.optimizer
+        flat = zero.single_partition_of_fp32_groups[group]
+        state = zero.optimizer.state.get(flat, {})
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
+        zero.optimizer.param_groups[group].pop("step", None)
+
+    def drop_optimizer(self, name: str) -> None:
+        """Slots keep their group; the next member in the slot calls `reset_optimizer`."""
+
+    def reload_weights(self) -> None:
+        """Copy the model's (bf16) adapter weights into ZeRO's fp32 master partitions."""
+        self.engine.optimizer._restore_from_bit16_weights()
+
+    # ---- one update -----------------------------------------------------------------
+    def update(self, samples: Sequence[TrainSample]) -> dict[str, dict[str, float]]:
+        """Same loss as `PolicyTrainer.update` (one epoch), summed over the ranks' shares."""
+        samples = [s for s in samples if s.completion_ids]
+        if not samples:
+            return {}
+        rows_of: dict[str, int] = defaultdict(int)
+        for s in samples:
+            rows_of[s.adapter] += 1
+        mine = list(samples[self.rank::self.world])
+        order = sorted(range(len(mine)), key=lambda i: len(mine[i].prompt_ids) + len(mine[i].completion_ids))
+        mb = self.settings.micro_batch
+        batches = [order[i:i + mb] for i in range(0, len(order), mb)] or [[]]
+        stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        device = self.engine.device
+        self.engine.train()
+        every_param = [p for group in self.groups for p in group["params"]]
+        for k, idx in enumerate(batches):
+            self.engine.set_gradient_accumulation_boundary(k == len(batches) - 1)
+            # ZeRO-2 reduces gradients in buckets during backward: every rank must produce a
+            # gradient for every parameter, also those of adapters absent from its rows
+            anchor = sum(p.sum() for p in every_param) * 0.0
+            if not idx:  # a rank with no rows still joins the collective step
+                self.engine.backward(anchor)
+                continue
+            adapters = [mine[i].adapter for i in idx]
+            packed = pack([mine[i].prompt_ids for i in idx], [mine[i].completion_ids for i in idx], self.pad_id)
+            packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
+                                                           packed.completion_mask)))
+            with torch.no_grad():
+                old_logp = token_logprobs(self.model, packed, adapters)
+            logp = token_logprobs(self.model, packed, adapters)
+            adv = torch.tensor([mine[i].advantage for i in idx], dtype=logp.dtype, device=device)
+            per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
+            weights = torch.tensor([self.world / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=device)
+            self.engine.backward((per_seq * weights).sum() + anchor)
+            for row, a in enumerate(adapters):
+                stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a]
+        self.engine.step()
+        self.engine.eval()
+        self.model.invalidate()
+        for name, n in rows_of.items():
+            stats[name]["samples"] = float(n)
+            stats[name]["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        return {k: dict(v) for k, v in stats.items()}

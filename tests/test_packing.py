@@ -1,0 +1,16 @@
+import torch
+
+from multilora.packing import pack, unpack
+
+
+def test_pack_roundtrip_keeps_names_keys_shapes_and_values():
+    g = torch.Generator().manual_seed(0)
+    adapters = {"t0": {"a.lora_A.weight": torch.randn(4, 6, generator=g), "a.lora_B.weight": torch.randn(5, 4, generator=g)},
+                "s0": {"a.lora_A.weight": torch.randn(4, 6, generator=g), "a.lora_B.weight": torch.zeros(5, 4)}}
+    packed = pack(adapters)
+    assert packed.flat.dim() == 1 and packed.flat.numel() == 2 * (24 + 20)
+    back = unpack(packed)
+    assert list(back) == ["t0", "s0"]
+    for name in adapters:
+        for key, value in adapters[name].items():
+            assert torch.equal(back[name][key], value)
