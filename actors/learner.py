@@ -1,12 +1,14 @@
 """Learner: the frozen base plus every adapter; policy-gradient updates; evolution children.
 
-A thin Ray shell over `multilora.trainer.PolicyTrainer` and `evolution.OPERATORS`.
-`export_adapters` returns plain tensors; the driver hands its ObjectRef to the inference
+A thin Ray shell over `multilora.trainer.PolicyTrainer` (or, with `learner.strategy=
+deepspeed`, `multilora.deepspeed_strategy`) and `evolution.OPERATORS`. `export_packed`
+returns every adapter in one CPU buffer; the driver hands its ObjectRef to the inference
 server, so new weights reach it through the object store only.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import ray
@@ -16,6 +18,8 @@ from evolution import OPERATORS
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 from multilora.packing import PackedAdapters, pack
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
+
+log = logging.getLogger(__name__)
 
 
 def _to_cpu(value):
@@ -33,13 +37,18 @@ class LearnerCore:
     """Ray-free learner state (used by the actor and directly by tests)."""
 
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", deepspeed=None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype), default_device()), spec, n_slots)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.trainer = PolicyTrainer(self.model, settings, pad_id)
+        if deepspeed is None:
+            self.trainer = PolicyTrainer(self.model, settings, pad_id)
+        else:  # optional GPU strategy (multilora.deepspeed_strategy); imports deepspeed here only
+            from multilora.deepspeed_strategy import DeepSpeedPolicyTrainer
+
+            self.trainer = DeepSpeedPolicyTrainer(self.model, settings, pad_id, deepspeed)
 
     def init_members(self, names: list[str], seed: int) -> None:
         """Fresh PEFT-initialised adapters, seeded per member for reproducibility."""
@@ -54,10 +63,14 @@ class LearnerCore:
         return self.trainer.update(samples)
 
     def state_dict(self) -> dict:
-        """Adapters in slot order and each one's AdamW state."""
+        """Adapters in slot order and each one's AdamW state.
+
+        The DeepSpeed strategy keeps its moments partitioned inside ZeRO: its checkpoints
+        hold the adapters only, and a resume restarts the moments (logged)."""
         names = sorted(self.model.slot_of, key=self.model.slot_of.get)
+        optimizers = getattr(self.trainer, "optimizers", None)
         return {"adapters": {n: self.model.export_adapter(n) for n in names},
-                "optimizers": {n: _to_cpu(self.trainer.optimizers[n].state_dict()) for n in names}}
+                "optimizers": {n: _to_cpu(optimizers[n].state_dict()) for n in names} if optimizers else {}}
 
     def load_state_dict(self, state: dict) -> None:
         for name in list(self.model.slot_of):
@@ -66,7 +79,12 @@ class LearnerCore:
         for name, adapter in state["adapters"].items():  # slot order: slots come back the same
             self.model.add_adapter(name, adapter)
             self.trainer.reset_optimizer(name)
-            self.trainer.optimizers[name].load_state_dict(state["optimizers"][name])
+            if name in state["optimizers"]:
+                self.trainer.optimizers[name].load_state_dict(state["optimizers"][name])
+            else:
+                log.warning("checkpoint holds no optimizer state for %s: its moments restart", name)
+        if hasattr(self.trainer, "reload_weights"):  # ZeRO keeps fp32 master copies of the weights
+            self.trainer.reload_weights()
 
     def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict,
                     seed: int) -> None:
@@ -77,16 +95,18 @@ class LearnerCore:
         self.trainer.drop_optimizer(dead)
         self.model.add_adapter(child, state)
         self.trainer.reset_optimizer(child)
+        if hasattr(self.trainer, "reload_weights"):
+            self.trainer.reload_weights()
 
 
 @ray.remote(max_restarts=2)
 class Learner:
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
-                 dtype: str = "float32", threads: int = 0) -> None:
+                 dtype: str = "float32", threads: int = 0, deepspeed=None) -> None:
         self.incarnation = uuid.uuid4().hex
         if threads:
             torch.set_num_threads(threads)
-        self.core = LearnerCore(model_path, spec, n_slots, settings, dtype)
+        self.core = LearnerCore(model_path, spec, n_slots, settings, dtype, deepspeed)
 
     def ready(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""

@@ -97,6 +97,9 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     micro_batch: int = 8
     epochs: int = 1
+    strategy: str = "torch"  # "deepspeed": ZeRO over the adapter parameters (GPU, optional extra)
+    zero_stage: int = 2
+    offload_optimizer: bool = False  # deepspeed only: fp32 master weights and moments on the CPU
 
 
 @dataclass
@@ -137,6 +140,7 @@ _CHOICES = {
     "population.pfsp_weighting": ("variance", "hard"),
     "inference.backend": ("hf", "vllm"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "learner.strategy": ("torch", "deepspeed"),
 }
 _TASK_TYPES = ("code_i", "code_o", "code_f")
 _EVOLUTION_OPERATORS = ("gaussian", "singular_value", "subspace_rotation", "layer_swap", "module_swap", "svd_merge")

@@ -42,7 +42,7 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
             _fence("input", example),
             "Reply in exactly this format:",
             "<answer>",
-            *[_fence("input", f"input {i + 1}") for i in range(induction_inputs)],
+            *[_fence("input", "...") for _ in range(induction_inputs)],
             _fence("message", "one-line hint"),
             "</answer>",
         ])

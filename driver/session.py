@@ -109,9 +109,15 @@ def create_actors(cfg: Config) -> Actors:
         lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
         max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
     )
+    deepspeed = None
+    if cfg.learner.strategy == "deepspeed":
+        from multilora.deepspeed_strategy import DeepSpeedSettings  # pure dataclass: no deepspeed import
+
+        deepspeed = DeepSpeedSettings(zero_stage=cfg.learner.zero_stage, bf16=cfg.model.dtype == "bfloat16",
+                                      offload_optimizer=cfg.learner.offload_optimizer)
     learner = Learner.options(name=_free_name("Learner"), num_cpus=cfg.ray.actor_cpus,
                               num_gpus=cfg.ray.learner_gpus).remote(
-        model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads
+        model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads, deepspeed
     )
     p = cfg.population
     population = PopulationManager.options(name=_free_name("PopulationManager"), num_cpus=0).remote(

@@ -30,6 +30,7 @@ def test_dotted_overrides():
     ("tasks.types=[code_x]", "tasks.types: unknown task type"),
     ("population.operators.flip=1.0", "population.operators.flip: unknown operator"),
     ("run.steps=0", "run.steps: must be > 0"),
+    ("learner.strategy=fsdp", "learner.strategy: must be one of"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
