@@ -113,18 +113,22 @@ def sampling(cfg: Config, role: str, greedy: bool = False) -> SamplingParams:
                           n=1 if greedy or role == "teacher" else t.rollouts)
 
 
-def propose(ctx: StepContext, teachers: list[str], step: int, rng: np.random.Generator | None = None,
-            greedy: bool = False) -> list[Proposal]:
+def proposal_jobs(ctx: StepContext, teachers: list[str], rng: np.random.Generator) -> list[tuple]:
+    """(teacher, task type, reference tasks): `proposals_per_type` of each type per teacher."""
+    t = ctx.cfg.tasks
+    return [(teacher, task_type, ctx.buffer.sample(task_type, 1 if task_type == "code_f" else t.references, rng))
+            for teacher in teachers for task_type in t.types for _ in range(t.proposals_per_type)]
+
+
+def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
     """Every teacher writes `proposals_per_type` tasks of each type; the verifier validates."""
+    return propose_jobs(ctx, proposal_jobs(ctx, teachers, ctx.rng), step)
+
+
+def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = False) -> list[Proposal]:
+    """One batched generation for all jobs (teachers mixed), parsing, then validation."""
     t = ctx.cfg.tasks
     params = sampling(ctx.cfg, "teacher", greedy)
-    rng = ctx.rng if rng is None else rng
-    jobs = []  # (teacher, task_type, references)
-    for teacher in teachers:
-        for task_type in t.types:
-            for _ in range(t.proposals_per_type):
-                k = 1 if task_type == "code_f" else t.references
-                jobs.append((teacher, task_type, ctx.buffer.sample(task_type, k, rng)))
     prompts = [teacher_prompt(tt, refs, t.induction_inputs) for _, tt, refs in jobs]
     prefixes = [answer_prefix("teacher", tt) if t.answer_prefix else "" for _, tt, _ in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
@@ -248,32 +252,33 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
     probe student, the best student by mu - 3 sigma). retention = child / parent, None when
     the parent scores 0 (no capability to retain).
     """
-    parent = event.parents[0]
-    probe_seed = [ctx.cfg.run.seed, event.step, event.role == "teacher"]
+    parent, child = event.parents[0], event.child
+    rng = np.random.default_rng([ctx.cfg.run.seed, event.step, event.role == "teacher"])
     if event.role == "student":
-        rng = np.random.default_rng(probe_seed)
         types = ctx.cfg.tasks.types
         tasks = [task for i in range(ctx.cfg.population.probe_tasks)
                  for task in ctx.buffer.sample(types[i % len(types)], 1, rng)]
-        scores = {}
-        for member in (parent, event.child):
-            rollouts = solve(ctx, tasks, [member] * len(tasks), greedy=True)
-            scores[member] = float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0
+        # parent and child answer in one mixed batch
+        rollouts = solve(ctx, tasks + tasks, [parent] * len(tasks) + [child] * len(tasks), greedy=True)
+        scores = {m: float(np.mean([r.correct for r in rollouts if r.student == m])) if rollouts else 0.0
+                  for m in (parent, child)}
         extra = {}
     else:
         ratings = ray.get(ctx.actors.population.ratings.remote())
         students = ray.get(ctx.actors.population.members.remote())["students"]
         judge = max(students, key=lambda m: (ratings[m]["conservative"], m))
+        jobs = proposal_jobs(ctx, [parent], rng)  # the same references for both, one mixed batch
+        proposals = propose_jobs(ctx, jobs + [(child, tt, refs) for _, tt, refs in jobs], event.step, greedy=True)
+        tasks = [p.task for p in proposals if p.task is not None]
+        rates = task_solve_rates(tasks, solve(ctx, tasks, [judge] * len(tasks), greedy=True))
         scores, rewards = {}, {}
-        for member in (parent, event.child):
-            proposals = propose(ctx, [member], event.step, rng=np.random.default_rng(probe_seed), greedy=True)
-            tasks = [p.task for p in proposals if p.task is not None]
-            rates = task_solve_rates(tasks, solve(ctx, tasks, [judge] * len(tasks), greedy=True))
-            scores[member] = float(np.mean([p.valid for p in proposals]))
-            rewards[member] = float(np.mean([teacher_reward(p.valid, rates.get(id(p.task))) for p in proposals]))
+        for m in (parent, child):
+            mine = [p for p in proposals if p.teacher == m]
+            scores[m] = float(np.mean([p.valid for p in mine]))
+            rewards[m] = float(np.mean([teacher_reward(p.valid, rates.get(id(p.task))) for p in mine]))
         extra = {"probe_student": judge, "parent_probe_reward": rewards[parent],
-                 "child_probe_reward": rewards[event.child]}
-    parent_score, child_score = scores[parent], scores[event.child]
+                 "child_probe_reward": rewards[child]}
+    parent_score, child_score = scores[parent], scores[child]
     return {"probe": "solve_rate" if event.role == "student" else "valid_rate", "parent_probe": parent_score,
             "child_probe": child_score, "retention": child_score / parent_score if parent_score > 0 else None,
             **extra}
