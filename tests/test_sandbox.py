@@ -303,3 +303,18 @@ def test_complexity():
                         "n_variables": 3, "n_nodes": measures["n_nodes"]}
     assert measures["ast_depth"] >= 5 and measures["n_nodes"] > 10
     assert complexity("def f(:") == dict.fromkeys(measures, 0)
+
+
+def test_all_idle_zygotes_dead_at_once_are_replaced():
+    """Several warm zygotes of one seed killed together: the next run still succeeds."""
+    import threading
+
+    busy = "def f():\n    total = 0\n    for i in range(2_000_000):\n        total += i\n    return total"
+    threads = [threading.Thread(target=run_program, args=(busy,)) for _ in range(3)]  # overlap: several zygotes
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for zygote in list(execute.POOL._all):
+        os.killpg(zygote.proc.pid, 9)
+    assert_still_serving()

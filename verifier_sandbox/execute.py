@@ -202,15 +202,20 @@ class ZygotePool:
             zygote.close()
 
     def run(self, req: dict, hash_seed: int) -> dict:
-        """Runs one request in a zygote with `hash_seed`; restarts a dead zygote once."""
-        for attempt in range(2):
+        """Runs one request in a zygote with `hash_seed`, replacing dead zygotes on the way.
+
+        Every idle zygote of the seed may have died at once (killed from outside), so up to
+        `max_per_seed` dead ones are dropped before a freshly started one gets the request.
+        """
+        attempts = self.max_per_seed + 1
+        for attempt in range(attempts):
             zygote = self._acquire(hash_seed)
             try:
                 reply = zygote.request(req)
             except ZygoteDied as exc:
                 self._release(zygote, healthy=False)
                 log.warning("verifier sandbox: zygote (seed %s) died: %s", hash_seed, exc)
-                if attempt:
+                if attempt == attempts - 1:
                     return {"status": "error", "error": f"sandbox failure: {exc}"}
                 continue
             self._release(zygote, healthy=True)
