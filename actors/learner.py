@@ -126,7 +126,8 @@ class Learner:
 
     def export_packed(self) -> PackedAdapters:
         """Every adapter in one flat buffer: what the sync to the inference server carries."""
-        return pack(self.core.export_adapters())
+        model = self.core.model
+        return pack({n: model.export_adapter(n, copy=False) for n in sorted(model.slot_of)})
 
     def update(self, samples: list[TrainSample]) -> dict[str, dict[str, float]]:
         return self.core.update(samples)

@@ -128,14 +128,17 @@ class MultiLoraModel(nn.Module):
                     params[slot].copy_(value)
                 layer.invalidate()
 
-    def export_adapter(self, name: str) -> dict[str, torch.Tensor]:
-        """A detached, contiguous PEFT-format copy of adapter `name`."""
+    def export_adapter(self, name: str, copy: bool = True) -> dict[str, torch.Tensor]:
+        """A detached PEFT-format CPU copy of adapter `name` (it travels to other processes).
+
+        `copy=False` gives detached views of the live parameters instead, for a caller that
+        copies them right away (`packing.pack`)."""
         slot = self.slot_of[name]
         state = {}
         for module_name, layer in self.layers.items():
-            # always a CPU copy: it travels through the object store to other processes/nodes
-            state[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = layer.lora_A[slot].detach().to("cpu", copy=True)
-            state[f"{PEFT_PREFIX}{module_name}.lora_B.weight"] = layer.lora_B[slot].detach().to("cpu", copy=True)
+            for kind, params in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
+                value = params[slot].detach()
+                state[f"{PEFT_PREFIX}{module_name}.{kind}.weight"] = value.to("cpu", copy=True) if copy else value
         return state
 
     def peft_keys(self) -> Iterator[str]:
