@@ -14,7 +14,7 @@ import uuid
 import ray
 import torch
 
-from multilora.chat import chat_prompt_ids
+from multilora.chat import ChatEngineMixin
 from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 from multilora.packing import PackedAdapters, unpack
@@ -22,7 +22,7 @@ from multilora.packing import PackedAdapters, unpack
 log = logging.getLogger(__name__)
 
 
-class HFEngine:
+class HFEngine(ChatEngineMixin):
     """The in-process engine behind the "hf" backend (no Ray: usable from tests and benches)."""
 
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
@@ -44,16 +44,6 @@ class HFEngine:
             else:
                 self.model.add_adapter(name, state)
         return sorted(self.model.slot_of)
-
-    def state_dict(self) -> dict:
-        """The sampling RNG (adapters are restored by a sync from the learner)."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-
-    def encode_chat(self, user: str, prefix: str = "") -> tuple[int, ...]:
-        return chat_prompt_ids(self.tokenizer, user, prefix)
 
     def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
                  prefixes: list[str] | None = None) -> list[RequestOutput]:

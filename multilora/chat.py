@@ -12,3 +12,19 @@ def chat_prompt_ids(tokenizer, user: str, prefix: str = "") -> tuple[int, ...]:
     if prefix:
         ids += tokenizer(prefix, add_special_tokens=False)["input_ids"]
     return tuple(int(t) for t in ids)
+
+
+class ChatEngineMixin:
+    """What every inference engine shares: chat prompt ids and its seeded sampling RNG.
+
+    Needs `self.tokenizer` and `self.generator` (a torch.Generator)."""
+
+    def encode_chat(self, user: str, prefix: str = "") -> tuple[int, ...]:
+        return chat_prompt_ids(self.tokenizer, user, prefix)
+
+    def state_dict(self) -> dict:
+        """The sampling RNG (adapters are restored by a sync from the learner)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from multilora.chat import chat_prompt_ids
+from multilora.chat import ChatEngineMixin
 from multilora.generation import Completion, RequestOutput, SamplingParams
 from multilora.model import LoraSpec
 from multilora.peft_io import save_adapter
@@ -69,7 +69,7 @@ def max_lora_rank(rank: int) -> int:
     raise ValueError(f"lora.rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
-class VLLMEngine:
+class VLLMEngine(ChatEngineMixin):
     """Multi-LoRA generation on vLLM; see the module docstring."""
 
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
@@ -145,16 +145,6 @@ class VLLMEngine:
         return LoRARequest(v.lora_name, v.lora_id, str(v.path))
 
     # ---- generation -------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The sampling RNG (adapters are restored by a sync from the learner)."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-
-    def encode_chat(self, user: str, prefix: str = "") -> tuple[int, ...]:
-        return chat_prompt_ids(self.tokenizer, user, prefix)
-
     def _sampling(self, params: SamplingParams):
         import vllm
 
