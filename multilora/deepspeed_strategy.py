@@ -34,7 +34,7 @@ import torch
 
 from multilora.logprobs import clipped_pg_loss, pack, token_logprobs
 from multilora.model import MultiLoraModel
-from multilora.trainer import TrainerSettings, TrainSample
+from multilora.trainer import TrainerSettings, TrainSample, micro_batches
 
 
 def require_deepspeed():
@@ -154,9 +154,7 @@ class DeepSpeedPolicyTrainer:
         for s in samples:
             rows_of[s.adapter] += 1
         mine = list(samples[self.rank::self.world])
-        order = sorted(range(len(mine)), key=lambda i: len(mine[i].prompt_ids) + len(mine[i].completion_ids))
-        mb = self.settings.micro_batch
-        batches = [order[i:i + mb] for i in range(0, len(order), mb)] or [[]]
+        batches = micro_batches(mine, self.settings.micro_batch) or [[]]
         stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         device = self.engine.device
         self.engine.train()

@@ -40,6 +40,13 @@ class TrainerSettings:
     epochs: int = 1
 
 
+def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
+    """Indices of `samples` in micro-batches of `size`, sorted by length to keep padding low
+    (the batches still mix adapters freely)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
 class PolicyTrainer:
     def __init__(self, model: MultiLoraModel, settings: TrainerSettings, pad_id: int) -> None:
         self.model = model
@@ -59,11 +66,6 @@ class PolicyTrainer:
     def drop_optimizer(self, name: str) -> None:
         self.optimizers.pop(name, None)
 
-    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
-        # Sorting by length keeps padding low; the batches still mix adapters freely.
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
-        mb = self.settings.micro_batch
-        return [order[i:i + mb] for i in range(0, len(order), mb)]
 
     @torch.no_grad()
     def _old_logprobs(self, samples: Sequence[TrainSample], batches: list[list[int]]) -> dict[int, torch.Tensor]:
@@ -89,7 +91,7 @@ class PolicyTrainer:
         # is never computed; it still counts in its adapter's mean and its adapter still
         # steps (with zero gradients), which keeps the update identical to the full one.
         samples = [s for s in samples if s.advantage != 0.0]
-        batches = self._micro_batches(samples)
+        batches = micro_batches(samples, self.settings.micro_batch)
         old = self._old_logprobs(samples, batches)
         stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.model.train()
