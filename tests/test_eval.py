@@ -4,6 +4,7 @@ pass@k, answer extraction, and one end-to-end run on the tiny model."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import math
 import pickle
@@ -156,3 +157,46 @@ def test_eval_command_without_data_fails_with_one_line(tmp_path, tiny_model_path
     run = _run_dir(tmp_path / "pop", tiny_model_path, [])
     assert main(["eval", str(run), "--benchmarks", "aime25"]) == 2
     assert "aime25: skipped, no local data; provide it with --data aime25=PATH" in capsys.readouterr().err
+
+
+def test_eval_results_accumulate_across_calls_and_drop_retrained_adapters(tmp_path, tiny_model_path, capsys):
+    from driver.cli import main
+
+    run = _run_dir(tmp_path / "pop", tiny_model_path, ["student-0", "teacher-0"])
+    quick = ["--limit", "1", "--max-new-tokens", "2"]
+    assert main(["eval", str(run), "--benchmarks", "codeio", *quick]) == 0
+    assert main(["eval", str(run), "--benchmarks", "gsm_symbolic", *quick]) == 0
+    rows = pq.read_table(run / "eval.parquet").to_pylist()
+    assert {(r["member"], r["benchmark"]) for r in rows} == {
+        (m, b) for m in ("student-0", "teacher-0", "base") for b in ("codeio", "gsm_symbolic")}
+    table = (run / "eval.md").read_text()
+    assert "codeio: kept from the evaluation of" in table and "| codeio code_o | accuracy |" in table
+    assert "| gsm_symbolic | accuracy |" in table
+    samples = pq.read_table(run / "eval_samples.parquet").to_pylist()
+    assert {s["benchmark"] for s in samples} == {"codeio", "gsm_symbolic"}
+
+    # the student is retrained: its earlier rows no longer describe it; the teacher's and base's still do
+    _run_dir(tmp_path / "retrained", tiny_model_path, ["teacher-0", "student-0"])  # other random weights
+    weights = "adapters/student-0/adapter_model.safetensors"
+    (run / weights).write_bytes((tmp_path / "retrained" / weights).read_bytes())
+    capsys.readouterr()
+    assert main(["eval", str(run), "--benchmarks", "gsm_symbolic", *quick]) == 0
+    rows = pq.read_table(run / "eval.parquet").to_pylist()
+    assert {(r["member"], r["benchmark"]) for r in rows} == {
+        ("student-0", "gsm_symbolic"), ("teacher-0", "codeio"), ("teacher-0", "gsm_symbolic"),
+        ("base", "codeio"), ("base", "gsm_symbolic")}
+    assert "Dropped earlier results of adapters retrained or removed since: codeio." in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make vllm installs it)")
+def test_eval_runs_on_the_vllm_backend(tmp_path, tiny_model_path, capsys):
+    from driver.cli import main
+
+    run = _run_dir(tmp_path / "pop", tiny_model_path, ["student-0"])
+    args = ["--benchmarks", "humaneval,gsm_symbolic", "--limit", "2", "--max-new-tokens", "4"]
+    assert main(["eval", str(run), "--backend", "vllm", *args]) == 0, capsys.readouterr().err
+    rows = pq.read_table(run / "eval.parquet").to_pylist()
+    assert {(r["who"], r["benchmark"], r["backend"]) for r in rows} == {
+        (who, b, "vllm") for who in ("member", "base") for b in ("humaneval", "gsm_symbolic")}
+    samples = pq.read_table(run / "eval_samples.parquet").to_pylist()
+    assert len(samples) == 2 * 4 and all(s["finish_reason"] in ("length", "stop") for s in samples)

@@ -7,10 +7,17 @@ problem are batched together, sorted by token budget and prompt length. Completi
 scored by the benchmarks' scorers in a small thread pool; code runs only in the verifier
 sandbox. Writes runs/<name>/eval_samples.parquet (every completion and its verdict),
 eval.parquet (one row per adapter, benchmark, group and metric) and eval.md.
+
+Results accumulate across calls: a benchmark evaluated now replaces that benchmark's
+earlier rows; earlier rows of other benchmarks stay when the adapter they scored is
+unchanged (same SHA-256 of its weights file), so `--benchmarks humaneval` then
+`--benchmarks math` gives one table. Rows of a retrained or replaced adapter are dropped.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import logging
 import sys
 import time
@@ -77,6 +84,7 @@ class Evaluated:
     member: str
     role: str
     state: dict = field(repr=False, compare=False)
+    digest: str = ""  # SHA-256 of the weights file; the model path for the base
 
 
 def resolve_benchmarks(spec: str) -> tuple[str, ...]:
@@ -101,10 +109,12 @@ def load_members(run_dir: Path, who: str) -> list[Evaluated]:
     """The PEFT adapters under run_dir/adapters/, sorted by name."""
     members = []
     for directory in sorted((run_dir / "adapters").glob("*")):
-        if (directory / WEIGHTS_FILE).is_file():
+        weights = directory / WEIGHTS_FILE
+        if weights.is_file():
+            digest = hashlib.sha256(weights.read_bytes()).hexdigest()
             state, _ = load_adapter(directory)
             members.append(Evaluated(f"{who}:{directory.name}", who, run_dir.name, directory.name,
-                                     _role(directory.name), state))
+                                     _role(directory.name), state, digest))
     return members
 
 
@@ -246,7 +256,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
                              "(one engine serves both); evaluate it on its own")
         adapters += load_members(baseline, "baseline")
     if settings.base:
-        adapters.append(Evaluated(BASE, "base", run_dir.name, BASE, BASE, zero_adapter(model_path, spec)))
+        adapters.append(Evaluated(BASE, "base", run_dir.name, BASE, BASE, zero_adapter(model_path, spec),
+                                  f"model:{cfg.model.path}"))
     options = {"paths": dict(settings.data), "timeout_s": settings.timeout_s, "workers": settings.workers}
     problems, skipped = load_problems(settings, options)
     if not problems:
@@ -287,9 +298,21 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         first.setdefault((p.benchmark, p.group), len(first))
     rows = sorted(summarize(samples, settings.ks), key=lambda r: (
         first[r["benchmark"], r["group"]], "T>0" in r["metric"], r["metric"].split("@")[-1].zfill(8)))
-    context = {"model": cfg.model.path, "backend": backend, "seed": settings.seed, "limit": settings.limit or 0}
-    pq.write_table(pa.Table.from_pylist(samples), run_dir / "eval_samples.parquet")
-    pq.write_table(pa.Table.from_pylist([{**r, **context} for r in rows]), run_dir / "eval.parquet")
+    sources = {"member": str(run_dir.resolve()), "baseline": str(baseline and baseline.resolve()), "base": f"model:{cfg.model.path}"}
+    context = {"model": cfg.model.path, "backend": backend, "seed": settings.seed, "limit": settings.limit or 0,
+               "evaluated_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    digests = {(a.who, a.run, a.member): a.digest for a in adapters}
+
+    def provenance(r: dict) -> dict:
+        return {"source": sources[r["who"]], "digest": digests[r["who"], r["run"], r["member"]]}
+
+    rows = [{**r, **context, **provenance(r)} for r in rows]
+    samples = [{**s, **provenance(s)} for s in samples]
+    kept_rows, kept_notes = _earlier(run_dir / "eval.parquet", set(problems))
+    kept_samples, _ = _earlier(run_dir / "eval_samples.parquet", set(problems))
+    rows += kept_rows
+    pq.write_table(pa.Table.from_pylist(samples + kept_samples), run_dir / "eval_samples.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), run_dir / "eval.parquet")
     decoding = "greedy decoding"
     if settings.samples:
         decoding += (f", plus {settings.samples} samples per code problem at T={settings.temperature}, "
@@ -305,9 +328,44 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         notes.append(f"Skipped, no local data: {', '.join(absent)} (provide with --data NAME=PATH, "
                      "$POPULORA_EVAL_<NAME> or $POPULORA_EVAL_DATA/<name>.jsonl; see README).")
     notes += [f"Skipped {line.replace(': skipped, ', ': ', 1)}" for line in skipped if "no local data" not in line]
+    notes += kept_notes
     path = run_dir / "eval.md"
     path.write_text(markdown(rows, f"Evaluation of {run_dir}", notes))
     return path
+
+
+def _weights_digest(source: str, member: str) -> str | None:
+    """What a row's adapter is now: the SHA-256 of its weights file, or the base model's path."""
+    if source.startswith("model:"):
+        return source
+    weights = Path(source) / "adapters" / member / WEIGHTS_FILE
+    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+
+
+def _earlier(path: Path, evaluated: set[str]) -> tuple[list[dict], list[str]]:
+    """Rows of an earlier eval file worth keeping: benchmarks not evaluated now, scored by an
+    adapter whose weights are still the same; and one note per kept or dropped benchmark."""
+    if not path.is_file():
+        return [], []
+    kept, stale, when, now = [], set(), {}, {}
+    for row in pq.read_table(path).to_pylist():
+        if row["benchmark"] in evaluated:
+            continue
+        key = (row.get("source"), row["member"])
+        if key[0] and key not in now:
+            now[key] = _weights_digest(*key)
+        if row.get("digest") and now.get(key) == row["digest"]:
+            kept.append(row)
+            when.setdefault(row["benchmark"], set()).add((row.get("evaluated_at"), row.get("limit")))
+        else:
+            stale.add(row["benchmark"])
+    notes = [f"{benchmark}: kept from the evaluation of {evaluated_at}"
+             + (f" (at most {limit} problems per benchmark)" if limit else "") + "."
+             for benchmark, settings in when.items() for evaluated_at, limit in sorted(settings, key=str)]
+    if stale:
+        notes.append("Dropped earlier results of adapters retrained or removed since: "
+                     f"{', '.join(sorted(stale))}.")
+    return kept, notes
 
 
 def _sample_row(adapter: Evaluated, problem: Problem, mode: str, index: int, verdict: Verdict, text: str,
