@@ -200,3 +200,18 @@ def test_eval_runs_on_the_vllm_backend(tmp_path, tiny_model_path, capsys):
         (who, b, "vllm") for who in ("member", "base") for b in ("humaneval", "gsm_symbolic")}
     samples = pq.read_table(run / "eval_samples.parquet").to_pylist()
     assert len(samples) == 2 * 4 and all(s["finish_reason"] in ("length", "stop") for s in samples)
+
+
+def test_eval_with_ray_generates_in_an_inference_server_actor(tmp_path, tiny_model_path, ray_session, capsys):
+    from driver.cli import main
+
+    run = _run_dir(tmp_path / "pop", tiny_model_path, ["student-0"])
+    args = ["--benchmarks", "gsm_symbolic", "--limit", "2", "--max-new-tokens", "4"]
+    assert main(["eval", str(run), *args]) == 0
+    local = pq.read_table(run / "eval_samples.parquet").to_pylist()
+    assert main(["eval", str(run), "--ray", *args]) == 0, capsys.readouterr().err
+    remote = pq.read_table(run / "eval_samples.parquet").to_pylist()
+    # same engine, same greedy decoding: the actor returns what the in-process engine did
+    assert [(s["member"], s["problem"], s["text"]) for s in remote] == [
+        (s["member"], s["problem"], s["text"]) for s in local]
+    assert ray_session.is_initialized()  # the session's Ray is left running

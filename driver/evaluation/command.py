@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the hf engine; 0: torch's default (default: %(default)s, "
                              "the fastest on a busy CPU)")
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="generate in an InferenceServer actor with the run's ray.inference_gpus (a GPU node "
+                             "on a cluster): on ADDRESS (e.g. auto), else the run's ray.address, else an embedded "
+                             "Ray (default: an engine in this process)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model")
     parser.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
                         help="local data file of a benchmark, e.g. --data gsm8k=~/data/gsm8k.jsonl (repeatable)")
@@ -56,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
         benchmarks=benchmarks, limit=args.limit, backend=args.backend, samples=args.samples, ks=ks,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch, workers=args.workers, threads=args.threads, timeout_s=args.timeout,
-        base=not args.no_base, data=data,
+        base=not args.no_base, data=data, ray=args.ray,
     )
     try:
         path = evaluate(args.run, args.baseline, settings)

@@ -1,6 +1,7 @@
 """`populora eval`: every member of a run, the base model and a baseline run on the benchmarks.
 
-One in-process inference engine (the run's backend, "hf" or "vllm"; no Ray) serves all
+One inference engine (the run's backend, "hf" or "vllm"; in this process, or with --ray in an
+InferenceServer actor holding the run's ray.inference_gpus) serves all
 adapters at once: the run's members, the baseline's members and "base", an all-zero
 adapter (lora_B = 0, so the base model's own outputs). Requests of every adapter and
 problem are batched together, sorted by token budget and prompt length. Completions are
@@ -72,6 +73,8 @@ class Settings:
     timeout_s: float = 10.0
     base: bool = True
     data: tuple[tuple[str, str], ...] = ()  # (benchmark, local path)
+    ray: str | None = None  # None: engine in this process; "": in an InferenceServer actor on the
+    #                         run's ray.address (empty: embedded Ray); else on this Ray address
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,14 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         # OpenMP barriers: decoding was 8x slower with 2 threads than with 1 on 2 busy cores.
         torch.set_num_threads(settings.threads)
     started = time.perf_counter()
-    engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch, settings.seed)
+    if settings.ray is None:
+        engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch, settings.seed)
+    else:
+        from driver.evaluation.server import ServerEngine
+
+        address = settings.ray or cfg.ray.address
+        engine = ServerEngine(cfg, address, backend, model_path, spec, len(adapters), max_batch, settings.seed,
+                              0 if address else settings.threads)
     try:
         engine.sync_adapters({a.name: a.state for a in adapters})
         generated = _generate(engine, requests, max_batch)
