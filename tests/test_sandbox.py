@@ -11,6 +11,7 @@ import shutil
 import socket
 import tempfile
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -318,3 +319,23 @@ def test_all_idle_zygotes_dead_at_once_are_replaced():
     for zygote in list(execute.POOL._all):
         os.killpg(zygote.proc.pid, 9)
     assert_still_serving()
+
+
+@pytest.mark.parametrize("layer", USABLE_LAYERS)
+def test_zygotes_started_by_a_thread_that_ended_keep_serving(layer, caplog):
+    """bubblewrap's --die-with-parent fires when the *thread* that started it exits: a zygote
+    started from a worker thread (a ThreadPoolExecutor that finished) must not die with it."""
+    import threading
+
+    pool = ZygotePool(max_per_seed=1, layer=layer)
+    req = {"program": "def f(): return 7", "call": "f()", "timeout_s": 5, "memory_mb": 256}
+    try:
+        worker = threading.Thread(target=pool.run, args=(req, 1))
+        worker.start()
+        worker.join()
+        time.sleep(0.5)  # the kernel's parent-death signal would have arrived by now
+        with caplog.at_level("WARNING", logger="verifier_sandbox.execute"):
+            assert pool.run(req, 1)["result"] == "7"
+        assert "died" not in caplog.text
+    finally:
+        pool.close()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from . import isolation, screening
@@ -129,6 +130,10 @@ class ZygotePool:
         self._all: set[Zygote] = set()
         self._layer: str | None = None
         self._owner_pid = os.getpid()
+        # bubblewrap's --die-with-parent (PR_SET_PDEATHSIG) fires when the *thread* that
+        # started it exits, so zygotes are started by these long-lived threads, never by a
+        # caller's thread (a ThreadPoolExecutor of the caller ends; its zygotes would die).
+        self._spawner: ThreadPoolExecutor | None = None
 
     @property
     def layer(self) -> str | None:
@@ -136,6 +141,13 @@ class ZygotePool:
         return self._layer
 
     def _start(self, hash_seed: int) -> Zygote:
+        with self._cond:
+            if self._spawner is None:
+                self._spawner = ThreadPoolExecutor(max(2, self.max_per_seed), thread_name_prefix="zygote-spawner")
+            spawner = self._spawner
+        return spawner.submit(self._start_here, hash_seed).result()
+
+    def _start_here(self, hash_seed: int) -> Zygote:
         if self._layer is not None:
             return Zygote(self._layer, hash_seed)
         errors = []
@@ -227,9 +239,12 @@ class ZygotePool:
         with self._cond:
             zygotes, self._all = list(self._all), set()
             self._idle, self._live = {}, {}
+            spawner, self._spawner = self._spawner, None
             self._cond.notify_all()
         for zygote in zygotes:
             zygote.close()
+        if spawner is not None:
+            spawner.shutdown(wait=False)
 
 
 POOL = ZygotePool()
