@@ -116,6 +116,8 @@ class RayConfig:
     actor_cpus: float = 0.0  # logical CPUs reserved by the inference server and the learner
     inference_gpus: float = 0.0  # GPUs of the inference server (cluster: 1 or more)
     learner_gpus: float = 0.0  # GPUs of the learner
+    torch_threads: int = 0  # torch threads of the inference server and the learner; 0: every core
+    #                         of this machine (embedded Ray) or the node's default (cluster)
     metrics_export_port: int = 0  # Prometheus endpoint of an embedded Ray (0: Ray picks one)
 
 
@@ -238,9 +240,10 @@ def _validate(cfg: Config) -> None:
     if cfg.population.mode == "population":
         positive("population.teachers", cfg.population.teachers)
         positive("population.students", cfg.population.students)
-    for key in ("run.checkpoint_every", "run.max_recoveries"):
-        if getattr(cfg.run, key.split(".")[1]) < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {getattr(cfg.run, key.split('.')[1])!r}")
+    for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")
     if cfg.population.evolve_every < 0:
         raise ConfigError(f"population.evolve_every: must be >= 0, got {cfg.population.evolve_every!r}")
     if not cfg.population.operators:

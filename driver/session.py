@@ -96,10 +96,19 @@ def _free_name(name: str, timeout_s: float = 30.0) -> str:
         time.sleep(0.2)
 
 
+def actor_threads(cfg: Config) -> int:
+    """Torch threads of the inference server and the learner (0: leave torch's default).
+
+    Ray gives actors without CPUs one OpenMP thread; on one machine the phases run one after
+    the other, so there the heavy actors take every core unless `ray.torch_threads` is set
+    (on a machine shared with other jobs, fewer threads spin less in OpenMP barriers)."""
+    return cfg.ray.torch_threads or (0 if cfg.ray.address else (os.cpu_count() or 1))
+
+
 def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
-    threads = 0 if cfg.ray.address else (os.cpu_count() or 1)  # a cluster node sets its own
+    threads = actor_threads(cfg)
     inference = InferenceServer.options(name=_free_name("InferenceServer"), num_cpus=cfg.ray.actor_cpus,
                                         num_gpus=cfg.ray.inference_gpus).remote(
         cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,

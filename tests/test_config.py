@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ def test_dotted_overrides():
     ("population.operators.flip=1.0", "population.operators.flip: unknown operator"),
     ("run.steps=0", "run.steps: must be > 0"),
     ("learner.strategy=fsdp", "learner.strategy: must be one of"),
+    ("ray.torch_threads=-1", "ray.torch_threads: must be >= 0"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
@@ -50,3 +52,11 @@ def test_cli_exits_2_with_one_line(tmp_path):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="--config: no such file"):
         load_config("does/not/exist.yaml")
+
+
+def test_actor_threads():
+    from driver.session import actor_threads
+
+    assert actor_threads(load_config(ROOT / "configs/test.yaml", ["ray.torch_threads=1"])) == 1
+    assert actor_threads(load_config(ROOT / "configs/test.yaml")) == (os.cpu_count() or 1)  # embedded: every core
+    assert actor_threads(load_config(ROOT / "configs/test.yaml", ["ray.address=auto"])) == 0  # the node's default
