@@ -215,3 +215,50 @@ def test_eval_with_ray_generates_in_an_inference_server_actor(tmp_path, tiny_mod
     assert [(s["member"], s["problem"], s["text"]) for s in remote] == [
         (s["member"], s["problem"], s["text"]) for s in local]
     assert ray_session.is_initialized()  # the session's Ray is left running
+
+
+def test_an_interrupted_eval_resumes_with_what_is_missing(tmp_path, tiny_model_path, monkeypatch, capsys):
+    import actors.inference
+    from driver.cli import main
+
+    real_create, calls = actors.inference.create_engine, []
+
+    class Engine:
+        """The real engine, interrupted (like a killed job) on its `fail_at`-th generate call."""
+
+        def __init__(self, *args, fail_at=None):
+            self.inner, self.fail_at = real_create(*args), fail_at
+
+        def sync_adapters(self, adapters):
+            return self.inner.sync_adapters(adapters)
+
+        def generate(self, adapters, *args):
+            calls.append(len(adapters))
+            if len(calls) == self.fail_at:
+                raise KeyboardInterrupt
+            return self.inner.generate(adapters, *args)
+
+    run = _run_dir(tmp_path / "pop", tiny_model_path, ["student-0", "teacher-0"])
+    args = ["eval", str(run), "--benchmarks", "gsm_symbolic", "--limit", "3", "--max-new-tokens", "4",
+            "--max-batch", "4"]  # 3 adapters x 3 problems = 9 requests: engine calls of 4, 4 and 1
+    monkeypatch.setattr(actors.inference, "create_engine", lambda *a: Engine(*a, fail_at=2))
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    assert len((run / "eval_partial.jsonl").read_text().splitlines()) == 4 and not (run / "eval.md").exists()
+
+    calls.clear()
+    monkeypatch.setattr(actors.inference, "create_engine", lambda *a: Engine(*a))
+    assert main(args) == 0
+    assert calls == [4, 1]  # only the 5 missing requests
+    assert "resuming: 4 of 9 requests already generated" in capsys.readouterr().err
+    assert not (run / "eval_partial.jsonl").exists()
+    resumed = _texts(run)
+
+    (run / "eval.parquet").unlink()
+    calls.clear()
+    assert main(args) == 0 and calls == [4, 4, 1]  # a finished evaluation leaves nothing to resume
+    assert resumed == _texts(run)  # greedy: the same completions as an uninterrupted evaluation
+
+
+def _texts(run) -> list[tuple[str, str, str]]:
+    return sorted((s["member"], s["problem"], s["text"]) for s in pq.read_table(run / "eval_samples.parquet").to_pylist())

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +38,7 @@ from driver.config import Config, load_config
 from driver.evaluation import codegen, codeio, mathbench
 from driver.evaluation.metrics import markdown, summarize
 from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
-from multilora.generation import SamplingParams
+from multilora.generation import Completion, SamplingParams
 from multilora.model import LoraSpec
 from multilora.peft_io import WEIGHTS_FILE, load_adapter
 
@@ -199,21 +201,68 @@ def _requests(adapters: Sequence[Evaluated], problems: dict[str, list[Problem]],
     return requests, too_long
 
 
-def _generate(engine, requests: list[_Request], max_batch: int) -> list[tuple[_Request, list]]:
-    """Completions of every request, `max_batch` rows per engine call, with a progress bar."""
+def _request_key(r: _Request, settings: Settings, backend: str) -> str:
+    """What determines a request's completions: the adapter's weights, the exact prompt, the
+    decoding parameters, the seed and the backend."""
+    p = r.params
+    fields = [r.adapter.digest, r.problem.benchmark, r.problem.id, r.problem.prompt, r.problem.prefix, r.mode,
+              p.n, p.temperature, p.top_p, p.max_new_tokens, list(p.stop), settings.seed, backend]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+
+class _Progress:
+    """eval_partial.jsonl: completions written as each engine call returns, so an interrupted
+    evaluation resumes with what is still missing. Removed once eval.md is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done: dict[str, list[Completion]] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.done[entry["key"]] = [Completion(c["text"], (), c["finish_reason"])
+                                               for c in entry["completions"]]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the interruption
+        self._file = None
+
+    def record(self, items: list[tuple[str, list[Completion]]]) -> None:
+        if self._file is None:
+            self._file = self.path.open("a")
+        for key, completions in items:
+            self._file.write(json.dumps({"key": key, "completions": [
+                {"text": c.text, "finish_reason": c.finish_reason} for c in completions]}) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _generate(engine, requests: list[_Request], max_batch: int, keys: dict[int, str],
+              progress: _Progress) -> list[tuple[_Request, list]]:
+    """Completions of every request, `max_batch` rows per engine call, with a progress bar;
+    requests already in `progress` are not generated again."""
     order = sorted(requests, key=lambda r: (r.params.max_new_tokens, r.prompt_tokens))
-    out = []
-    with tqdm(total=sum(r.params.n for r in order), desc="generate", unit="completion", file=sys.stderr) as bar:
+    out = [(r, progress.done[keys[id(r)]]) for r in order if keys[id(r)] in progress.done]
+    todo = [r for r in order if keys[id(r)] not in progress.done]
+    with tqdm(total=sum(r.params.n for r in order), initial=sum(len(cs) for _, cs in out), desc="generate",
+              unit="completion", file=sys.stderr) as bar:
         start = 0
-        while start < len(order):
+        while start < len(todo):
             chunk, rows = [], 0
-            while start < len(order) and (not chunk or rows + order[start].params.n <= max_batch):
-                chunk.append(order[start])
-                rows += order[start].params.n
+            while start < len(todo) and (not chunk or rows + todo[start].params.n <= max_batch):
+                chunk.append(todo[start])
+                rows += todo[start].params.n
                 start += 1
             results = engine.generate([r.adapter.name for r in chunk], [r.problem.prompt for r in chunk],
                                       [r.params for r in chunk], [r.problem.prefix for r in chunk])
-            out += [(r, list(res.completions)) for r, res in zip(chunk, results)]
+            done = [(r, list(res.completions)) for r, res in zip(chunk, results)]
+            progress.record([(keys[id(r)], completions) for r, completions in done])
+            out += done
             bar.update(rows)
     return out
 
@@ -278,20 +327,30 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         # On a CPU shared with other jobs, torch's default (one thread per core) spins in
         # OpenMP barriers: decoding was 8x slower with 2 threads than with 1 on 2 busy cores.
         torch.set_num_threads(settings.threads)
+    keys = {id(r): _request_key(r, settings, backend) for r in requests}
+    progress = _Progress(run_dir / "eval_partial.jsonl")
+    resumed = sum(key in progress.done for key in keys.values())
+    if resumed:
+        print(f"populora eval: resuming: {resumed} of {len(requests)} requests already generated "
+              f"({progress.path})", file=sys.stderr)
     started = time.perf_counter()
-    if settings.ray is None:
-        engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch, settings.seed)
-    else:
-        from driver.evaluation.server import ServerEngine
-
-        address = settings.ray or cfg.ray.address
-        engine = ServerEngine(cfg, address, backend, model_path, spec, len(adapters), max_batch, settings.seed,
-                              0 if address else settings.threads)
+    engine = None
     try:
-        engine.sync_adapters({a.name: a.state for a in adapters})
-        generated = _generate(engine, requests, max_batch)
+        if any(key not in progress.done for key in keys.values()):
+            if settings.ray is None:
+                engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch,
+                                       settings.seed)
+            else:
+                from driver.evaluation.server import ServerEngine
+
+                address = settings.ray or cfg.ray.address
+                engine = ServerEngine(cfg, address, backend, model_path, spec, len(adapters), max_batch,
+                                      settings.seed, 0 if address else settings.threads)
+            engine.sync_adapters({a.name: a.state for a in adapters})
+        generated = _generate(engine, requests, max_batch, keys, progress)
     finally:
-        if hasattr(engine, "close"):
+        progress.close()
+        if engine is not None and hasattr(engine, "close"):
             engine.close()
     gen_seconds = time.perf_counter() - started
     verdicts = _score_all([(r.problem, c.text) for r, cs in generated for c in cs], options, settings.workers)
@@ -308,7 +367,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         first.setdefault((p.benchmark, p.group), len(first))
     rows = sorted(summarize(samples, settings.ks), key=lambda r: (
         first[r["benchmark"], r["group"]], "T>0" in r["metric"], r["metric"].split("@")[-1].zfill(8)))
-    sources = {"member": str(run_dir.resolve()), "baseline": str(baseline and baseline.resolve()), "base": f"model:{cfg.model.path}"}
+    sources = {"member": str(run_dir.resolve()), "baseline": str(baseline and baseline.resolve()),
+               "base": f"model:{cfg.model.path}"}
     context = {"model": cfg.model.path, "backend": backend, "seed": settings.seed, "limit": settings.limit or 0,
                "evaluated_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     digests = {(a.who, a.run, a.member): a.digest for a in adapters}
@@ -331,7 +391,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
         f"Model `{cfg.model.path}`, backend `{backend}`, seed {settings.seed}, {decoding}"
         + (f", at most {settings.limit} problems per benchmark" if settings.limit else "") + ". Scores in percent"
         + (f"; baseline: `{baseline}`." if baseline else "; no baseline run given."),
-        f"Generation: {gen_seconds:.0f} s for {sum(len(cs) for _, cs in generated)} completions.",
+        f"Generation: {gen_seconds:.0f} s for {sum(len(cs) for _, cs in generated)} completions"
+        + (f" ({resumed} requests resumed from an interrupted evaluation)." if resumed else "."),
     ]
     absent = [line.split(":", 1)[0] for line in skipped if "no local data" in line]
     if absent:
@@ -341,6 +402,7 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     notes += kept_notes
     path = run_dir / "eval.md"
     path.write_text(markdown(rows, f"Evaluation of {run_dir}", notes))
+    progress.path.unlink(missing_ok=True)
     return path
 
 
