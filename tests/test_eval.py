@@ -157,6 +157,8 @@ def test_eval_command_without_data_fails_with_one_line(tmp_path, tiny_model_path
     run = _run_dir(tmp_path / "pop", tiny_model_path, [])
     assert main(["eval", str(run), "--benchmarks", "aime25"]) == 2
     assert "aime25: skipped, no local data; provide it with --data aime25=PATH" in capsys.readouterr().err
+    assert main(["eval", str(run), "--no-base", "--benchmarks", "gsm_symbolic"]) == 2
+    assert "nothing to evaluate: no adapters under" in capsys.readouterr().err
 
 
 def test_eval_results_accumulate_across_calls_and_drop_retrained_adapters(tmp_path, tiny_model_path, capsys):

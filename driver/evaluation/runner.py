@@ -310,6 +310,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     if settings.base:
         adapters.append(Evaluated(BASE, "base", run_dir.name, BASE, BASE, zero_adapter(model_path, spec),
                                   f"model:{cfg.model.path}"))
+    if not adapters:
+        raise ValueError(f"nothing to evaluate: no adapters under {run_dir / 'adapters'} and --no-base given")
     options = {"paths": dict(settings.data), "timeout_s": settings.timeout_s, "workers": settings.workers}
     problems, skipped = load_problems(settings, options)
     if not problems:
