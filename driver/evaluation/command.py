@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=None, help="rows per engine call (default: the run's)")
     parser.add_argument("--workers", type=int, default=2, help="sandbox threads scoring answers (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program run (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the hf engine; 0: torch's default (default: %(default)s, "
-                             "the fastest on a busy CPU)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the engine (default: one per core; 1 is the fastest on a CPU "
+                             "shared with other jobs)")
     parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                         help="generate in an InferenceServer actor with the run's ray.inference_gpus (a GPU node "
                              "on a cluster): on ADDRESS (e.g. auto), else the run's ray.address, else an embedded "
