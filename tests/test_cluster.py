@@ -34,6 +34,8 @@ def test_cluster_yaml_offers_every_resource_the_actors_request():
     verifier_types = [t for t in node_types.values() if "verifier" in t.get("resources", {})]
     assert verifier_types and all(t["max_workers"] > t["min_workers"] for t in verifier_types), \
         "the verifier node type must autoscale between its own min and max"
+    # actors load the embedded model from their own node's cache: every node prepares it
+    assert any("populora prepare-model" in c for c in cluster["setup_commands"])
     # the heavy actors ask for GPUs in the cluster config (its model path exists only there)
     ray_section = yaml.safe_load((ROOT / "configs/cluster-7b.yaml").read_text()).get("ray", {})
     gpus = {ray_section.get("inference_gpus", 0), ray_section.get("learner_gpus", 0)}
