@@ -60,3 +60,9 @@ def test_actor_threads():
     assert actor_threads(load_config(ROOT / "configs/test.yaml", ["ray.torch_threads=1"])) == 1
     assert actor_threads(load_config(ROOT / "configs/test.yaml")) == (os.cpu_count() or 1)  # embedded: every core
     assert actor_threads(load_config(ROOT / "configs/test.yaml", ["ray.address=auto"])) == 0  # the node's default
+
+
+def test_cluster_config_keys_are_valid(tiny_model_path):
+    # its model directory exists only on the GPU nodes; everything else must validate here
+    cfg = load_config(ROOT / "configs/cluster-7b.yaml", [f"model.path={tiny_model_path}"])
+    assert cfg.ray.address == "auto" and cfg.run.output_dir.startswith("/")
