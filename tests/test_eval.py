@@ -189,6 +189,10 @@ def test_eval_results_accumulate_across_calls_and_drop_retrained_adapters(tmp_pa
         ("base", "codeio"), ("base", "gsm_symbolic")}
     assert "Dropped earlier results of adapters retrained or removed since: codeio." in capsys.readouterr().out
 
+    (run / "eval.parquet").unlink()  # start over: earlier samples go too
+    assert main(["eval", str(run), "--benchmarks", "gsm_symbolic", *quick]) == 0
+    assert {s["benchmark"] for s in pq.read_table(run / "eval_samples.parquet").to_pylist()} == {"gsm_symbolic"}
+
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make vllm installs it)")
 def test_eval_runs_on_the_vllm_backend(tmp_path, tiny_model_path, capsys):

@@ -339,3 +339,48 @@ def test_zygotes_started_by_a_thread_that_ended_keep_serving(layer, caplog):
         assert "died" not in caplog.text
     finally:
         pool.close()
+
+
+def test_parsing_in_many_threads_at_once_is_safe():
+    """CPython 3.11's AST constructor counts recursion per interpreter: a thread switch inside
+    one thread's parse (here forced by collections running a Python finalizer) while another
+    thread parses raised "SystemError: AST constructor recursion depth mismatch" (it broke
+    `populora eval`'s CodeI/O loader). Without the lock this test failed in 5 of 5 runs here."""
+    import gc
+    import sys
+    import threading
+
+    from verifier_sandbox.screening import literal, parse
+
+    class Cyclic:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            sum(range(200))  # Python code in a collection: a chance to switch threads
+
+    source = "\n".join(f"def g{i}(x):\n    return [x + {i} for _ in range(3)]" for i in range(200))
+    errors = []
+
+    def work():
+        for _ in range(300):
+            for _ in range(50):
+                Cyclic()
+            try:
+                assert parse(source) is not None and literal("[1, (2, 3), {'a': None}]")[0] == 1
+            except SystemError as exc:
+                errors.append(str(exc))
+
+    threshold, interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(10)
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -8,6 +8,15 @@ sandbox rarely has to contain them.
 from __future__ import annotations
 
 import ast
+import threading
+
+# CPython (3.11 here) keeps the AST constructor's recursion counter per interpreter, not per
+# thread: when a thread switch lands inside one thread's AST construction (a garbage
+# collection running a finalizer, say) and another thread parses meanwhile, the first fails
+# with "SystemError: AST constructor recursion depth mismatch". Every AST this project
+# builds from text (`parse` and `literal` here, `driver.evaluation.codegen._parses`) is built
+# under this lock, because callers run in thread pools (eval loading and scoring, the CLI).
+AST_LOCK = threading.RLock()
 
 ALLOWED_MODULES = frozenset({
     "math", "itertools", "functools", "collections", "heapq", "bisect", "string", "re",
@@ -140,9 +149,16 @@ def screen_tree(tree: ast.AST) -> str | None:
 def parse(program: str, mode: str = "exec") -> ast.AST | None:
     """Parses source safely (no execution); None if it is not valid Python."""
     try:
-        return ast.parse(program, mode=mode)
+        with AST_LOCK:
+            return ast.parse(program, mode=mode)
     except (SyntaxError, ValueError, RecursionError, MemoryError, TypeError):
         return None
+
+
+def literal(text: str) -> object:
+    """`ast.literal_eval` of text, under the AST lock; raises as literal_eval does."""
+    with AST_LOCK:
+        return ast.literal_eval(text)
 
 
 def screen(program: str) -> str | None:

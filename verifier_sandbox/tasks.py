@@ -51,7 +51,7 @@ def parse_literal(text: str) -> object:
     if not isinstance(text, str):
         return _NOT_LITERAL
     try:
-        return ast.literal_eval(text.strip())
+        return screening.literal(text.strip())
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return _NOT_LITERAL
 

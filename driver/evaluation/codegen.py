@@ -39,6 +39,7 @@ from pathlib import Path
 from driver.evaluation import data_paths
 from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 from verifier_sandbox import run_program
+from verifier_sandbox.screening import AST_LOCK
 
 FENCE_PREFIX = "```python\n"
 STOP = ("```",)
@@ -54,7 +55,8 @@ def _parses(code: str) -> bool:
     # an indented head is a function body: parse it as one
     source = "def _body():\n" + code if code[:1] in (" ", "\t") else code
     try:
-        compile(source, "<completion>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
+        with AST_LOCK:  # see verifier_sandbox.screening.AST_LOCK
+            compile(source, "<completion>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
         return True
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False

@@ -33,6 +33,7 @@ from driver.extraction import extract_answer
 from driver.prompts import answer_prefix, student_prompt
 from driver.records import Task
 from verifier_sandbox import check, run_program, screen, validate
+from verifier_sandbox.screening import literal, parse
 
 DEFAULT_TASKS = 200
 MAX_PROGRAM_CHARS = 1500
@@ -53,7 +54,7 @@ def _records() -> list[dict]:
 
 def as_program(code: str) -> tuple[str, list[str]] | None:
     """(program defining `f`, parameter names) for a record's code sample, or None."""
-    tree = ast.parse(code) if len(code) <= MAX_PROGRAM_CHARS else None
+    tree = parse(code) if len(code) <= MAX_PROGRAM_CHARS else None
     if tree is None:
         return None
     main = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main_solution"]
@@ -82,7 +83,7 @@ def _convert(rec: dict, seed: int) -> tuple[str, str, str] | None:
     if run.status != "ok":
         return None
     try:
-        args = ast.literal_eval(run.result)
+        args = literal(run.result)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return None
     if not isinstance(args, dict) or set(args) != set(params):

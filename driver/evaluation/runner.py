@@ -383,6 +383,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     samples = [{**s, **provenance(s)} for s in samples]
     kept_rows, kept_notes = _earlier(run_dir / "eval.parquet", set(problems))
     kept_samples, _ = _earlier(run_dir / "eval_samples.parquet", set(problems))
+    scored = {(r["benchmark"], r["who"], r["run"], r["member"]) for r in kept_rows}
+    kept_samples = [s for s in kept_samples if (s["benchmark"], s["who"], s["run"], s["member"]) in scored]
     rows += kept_rows
     pq.write_table(pa.Table.from_pylist(samples + kept_samples), run_dir / "eval_samples.parquet")
     pq.write_table(pa.Table.from_pylist(rows), run_dir / "eval.parquet")
