@@ -201,6 +201,21 @@ def _requests(adapters: Sequence[Evaluated], problems: dict[str, list[Problem]],
     return requests, too_long
 
 
+def _engine(cfg: Config, settings: Settings, backend: str, model_path: str, spec: LoraSpec, n_slots: int,
+            max_batch: int, threads: int):
+    """The generation engine: in this process, or (--ray) inside an InferenceServer actor."""
+    if settings.ray is None:
+        from actors.inference import create_engine
+
+        return create_engine(backend, model_path, spec, n_slots, cfg.model.dtype, max_batch, settings.seed)
+    from driver.evaluation.server import ServerEngine
+
+    address = settings.ray or cfg.ray.address
+    # a cluster node keeps its own thread count; an embedded Ray's actor gets this process's
+    return ServerEngine(cfg, address, backend, model_path, spec, n_slots, max_batch, settings.seed,
+                        settings.threads if address else threads)
+
+
 def _request_key(r: _Request, settings: Settings, backend: str) -> str:
     """What determines a request's completions: the adapter's weights, the exact prompt, the
     decoding parameters, the seed and the backend."""
@@ -319,8 +334,6 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
 
     from transformers import AutoTokenizer
 
-    from actors.inference import create_engine
-
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     requests, too_long = _requests(adapters, problems, settings, tokenizer, cfg.model.max_model_len)
     backend = settings.backend or cfg.inference.backend
@@ -340,15 +353,7 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     engine = None
     try:
         if any(key not in progress.done for key in keys.values()):
-            if settings.ray is None:
-                engine = create_engine(backend, model_path, spec, len(adapters), cfg.model.dtype, max_batch,
-                                       settings.seed)
-            else:
-                from driver.evaluation.server import ServerEngine
-
-                address = settings.ray or cfg.ray.address
-                engine = ServerEngine(cfg, address, backend, model_path, spec, len(adapters), max_batch,
-                                      settings.seed, settings.threads if address else threads)
+            engine = _engine(cfg, settings, backend, model_path, spec, len(adapters), max_batch, threads)
             engine.sync_adapters({a.name: a.state for a in adapters})
         generated = _generate(engine, requests, max_batch, keys, progress)
     finally:
@@ -381,13 +386,7 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
 
     rows = [{**r, **context, **provenance(r)} for r in rows]
     samples = [{**s, **provenance(s)} for s in samples]
-    kept_rows, kept_notes = _earlier(run_dir / "eval.parquet", set(problems))
-    kept_samples, _ = _earlier(run_dir / "eval_samples.parquet", set(problems))
-    scored = {(r["benchmark"], r["who"], r["run"], r["member"]) for r in kept_rows}
-    kept_samples = [s for s in kept_samples if (s["benchmark"], s["who"], s["run"], s["member"]) in scored]
-    rows += kept_rows
-    pq.write_table(pa.Table.from_pylist(samples + kept_samples), run_dir / "eval_samples.parquet")
-    pq.write_table(pa.Table.from_pylist(rows), run_dir / "eval.parquet")
+    rows, kept_notes = _write_tables(run_dir, rows, samples, set(problems))
     decoding = "greedy decoding"
     if settings.samples:
         decoding += (f", plus {settings.samples} samples per code problem at T={settings.temperature}, "
@@ -409,6 +408,19 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     path.write_text(markdown(rows, f"Evaluation of {run_dir}", notes))
     progress.path.unlink(missing_ok=True)
     return path
+
+
+def _write_tables(run_dir: Path, rows: list[dict], samples: list[dict],
+                  evaluated: set[str]) -> tuple[list[dict], list[str]]:
+    """Writes eval.parquet and eval_samples.parquet: this call's rows, plus the earlier rows
+    still worth keeping (see `_earlier`); returns all rows and the notes on kept/dropped ones."""
+    kept_rows, notes = _earlier(run_dir / "eval.parquet", evaluated)
+    kept_samples, _ = _earlier(run_dir / "eval_samples.parquet", evaluated)
+    scored = {(r["benchmark"], r["who"], r["run"], r["member"]) for r in kept_rows}
+    kept_samples = [s for s in kept_samples if (s["benchmark"], s["who"], s["run"], s["member"]) in scored]
+    pq.write_table(pa.Table.from_pylist(samples + kept_samples), run_dir / "eval_samples.parquet")
+    pq.write_table(pa.Table.from_pylist(rows + kept_rows), run_dir / "eval.parquet")
+    return rows + kept_rows, notes
 
 
 def _weights_digest(source: str, member: str) -> str | None:
