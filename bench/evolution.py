@@ -12,17 +12,15 @@ deltas would have to do. Targets (DESIGN.md §5): a child in well under a second
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
+from bench import write_result
 from evolution import CROSSOVERS, DEFAULT_PARAMS, OPERATORS, lora_pairs
 
-RESULTS = Path(__file__).resolve().parent / "results" / "evolution.json"
 TARGETS = {"135m": 0.5, "7b": 5.0}
 SHAPES = {  # name -> (layers, hidden, kv width, ffn width), Llama-style module set
     "135m": (30, 576, 192, 1536),  # SmolLM2-135M
@@ -180,9 +178,7 @@ def main() -> None:
         "retention_note": "tiny model, greedy next-token agreement with the first parent, normalised so the "
                           "bare base scores 0 (see retention_on_tiny_model)",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result("evolution", result)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench import write_result
 from bench.evolution import make_adapter
 from multilora.model import LoraSpec, MultiLoraModel, load_base_model
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
@@ -31,7 +30,6 @@ from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 TARGET = 1.10
 RANK, ALPHA = 16, 32.0
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,9 +112,7 @@ def main() -> None:
         "reps": reps,
         "torch_threads": torch.get_num_threads(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result("learner", result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
+from bench import write_result
+
 TARGET_X_ADAPTER = 3.0
 COUNTS = (1, 8, 16)
 RANK, ALPHA = 16, 32.0
@@ -123,9 +124,7 @@ def main() -> None:
                         "extra_mb_per_adapter": extra, "extra_x_adapter": extra / size}
         print(f"{kind:<10}" + "".join(f"{rows[n]['rss_mb']:>10.0f}" for n in COUNTS)
               + f"{extra:>15.1f}{extra / size:>11.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result("memory", result)
 
 
 if __name__ == "__main__":

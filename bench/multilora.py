@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from bench import write_result
 from bench.evolution import make_adapter
 from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, SamplingParams, generate
@@ -42,7 +41,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = Path(__file__).resolve().parent / "results" / "multilora.json"
 TARGETS = {"ours_mixed8_vs_ours_single": 0.9, "ours_mixed8_vs_peft_mixed8": 2.0, "ours_mixed8_vs_vllm_mixed8": 1.0}
 RANK, ALPHA, ADAPTERS = 16, 32.0, 8
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -264,9 +262,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "vllm_note": vllm_note,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result("multilora", result)
 
 
 if __name__ == "__main__":

@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench import write_result
 from multilora.model import LoraSpec, MultiLoraModel, load_base_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 TARGET_MS = 50.0  # "tens of milliseconds"
 RANK, ALPHA, ADAPTERS = 16, 32.0, 8
 SPEC = LoraSpec(RANK, ALPHA, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
@@ -127,9 +125,7 @@ def main() -> None:
         "path": "Learner.export_packed -> ObjectRef -> InferenceServer.sync_packed (hf), no disk, "
                 "not through the driver",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result("sync", result)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+from bench import write_result
 from verifier_sandbox import validate
 from verifier_sandbox.execute import POOL
 from verifier_sandbox.tasks import build_call
@@ -34,7 +33,6 @@ TASKS = [
     ("def f(d, k):\n    return {v: kk for kk, v in d.items() if kk != k}",
      "{'a': 1, 'b': 2, 'c': 3}, 'b'"),
 ]
-RESULTS = Path(__file__).resolve().parent / "results" / "verifier.json"
 
 
 def bare_run(program: str, call: str) -> str | None:
@@ -115,9 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     n, rounds = (60, 3) if args.quick else (300, 5)
     summary = measure(n, rounds)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
+    write_result("verifier", summary)
 
 
 if __name__ == "__main__":
