@@ -386,7 +386,8 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
 
     rows = [{**r, **context, **provenance(r)} for r in rows]
     samples = [{**s, **provenance(s)} for s in samples]
-    rows, kept_notes = _write_tables(run_dir, rows, samples, set(problems))
+    known = {(sources[a.who], a.member): a.digest for a in adapters}
+    rows, kept_notes = _write_tables(run_dir, rows, samples, set(problems), known)
     decoding = "greedy decoding"
     if settings.samples:
         decoding += (f", plus {settings.samples} samples per code problem at T={settings.temperature}, "
@@ -410,14 +411,16 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     return path
 
 
-def _write_tables(run_dir: Path, rows: list[dict], samples: list[dict],
-                  evaluated: set[str]) -> tuple[list[dict], list[str]]:
+def _write_tables(run_dir: Path, rows: list[dict], samples: list[dict], evaluated: set[str],
+                  known: dict[tuple[str, str], str]) -> tuple[list[dict], list[str]]:
     """Writes eval.parquet and eval_samples.parquet: this call's rows, plus the earlier rows
-    still worth keeping (see `_earlier`); returns all rows and the notes on kept/dropped ones."""
-    kept_rows, notes = _earlier(run_dir / "eval.parquet", evaluated)
-    kept_samples, _ = _earlier(run_dir / "eval_samples.parquet", evaluated)
+    still worth keeping (see `_earlier`) and their samples; returns all rows and the notes on
+    kept/dropped ones. `known`: (source, member) -> weights digest already computed."""
+    kept_rows, notes = _earlier(run_dir / "eval.parquet", evaluated, known)
     scored = {(r["benchmark"], r["who"], r["run"], r["member"]) for r in kept_rows}
-    kept_samples = [s for s in kept_samples if (s["benchmark"], s["who"], s["run"], s["member"]) in scored]
+    path = run_dir / "eval_samples.parquet"
+    earlier = pq.read_table(path).to_pylist() if scored and path.is_file() else []
+    kept_samples = [s for s in earlier if (s["benchmark"], s["who"], s["run"], s["member"]) in scored]
     pq.write_table(pa.Table.from_pylist(samples + kept_samples), run_dir / "eval_samples.parquet")
     pq.write_table(pa.Table.from_pylist(rows + kept_rows), run_dir / "eval.parquet")
     return rows + kept_rows, notes
@@ -431,12 +434,12 @@ def _weights_digest(source: str, member: str) -> str | None:
     return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
 
 
-def _earlier(path: Path, evaluated: set[str]) -> tuple[list[dict], list[str]]:
+def _earlier(path: Path, evaluated: set[str], known: dict[tuple[str, str], str]) -> tuple[list[dict], list[str]]:
     """Rows of an earlier eval file worth keeping: benchmarks not evaluated now, scored by an
     adapter whose weights are still the same; and one note per kept or dropped benchmark."""
     if not path.is_file():
         return [], []
-    kept, stale, when, now = [], set(), {}, {}
+    kept, stale, when, now = [], set(), {}, dict(known)
     for row in pq.read_table(path).to_pylist():
         if row["benchmark"] in evaluated:
             continue
