@@ -13,9 +13,9 @@ import threading
 # CPython (3.11 here) keeps the AST constructor's recursion counter per interpreter, not per
 # thread: when a thread switch lands inside one thread's AST construction (a garbage
 # collection running a finalizer, say) and another thread parses meanwhile, the first fails
-# with "SystemError: AST constructor recursion depth mismatch". Every AST this project
-# builds from text (`parse` and `literal` here, `driver.evaluation.codegen._parses`) is built
-# under this lock, because callers run in thread pools (eval loading and scoring, the CLI).
+# with "SystemError: AST constructor recursion depth mismatch". Callers run in thread pools
+# (eval loading and scoring, the CLI), so every AST this project builds from text goes
+# through `parse` or `literal` below, under this lock.
 AST_LOCK = threading.RLock()
 
 ALLOWED_MODULES = frozenset({

@@ -27,7 +27,6 @@ LiveCodeBench: every public and private test; stdin tests compare stdout line by
 
 from __future__ import annotations
 
-import ast
 import base64
 import io
 import json
@@ -39,7 +38,7 @@ from pathlib import Path
 from driver.evaluation import data_paths
 from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 from verifier_sandbox import run_program
-from verifier_sandbox.screening import AST_LOCK
+from verifier_sandbox.screening import parse
 
 FENCE_PREFIX = "```python\n"
 STOP = ("```",)
@@ -53,13 +52,7 @@ def until_fence(text: str) -> str:
 
 def _parses(code: str) -> bool:
     # an indented head is a function body: parse it as one
-    source = "def _body():\n" + code if code[:1] in (" ", "\t") else code
-    try:
-        with AST_LOCK:  # see verifier_sandbox.screening.AST_LOCK
-            compile(source, "<completion>", "exec", dont_inherit=True, flags=ast.PyCF_ONLY_AST)
-        return True
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return False
+    return parse("def _body():\n" + code if code[:1] in (" ", "\t") else code) is not None
 
 
 def extract_code(text: str) -> str:
