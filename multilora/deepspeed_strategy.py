@@ -10,6 +10,14 @@ What it does, against the torch strategy (`multilora.trainer.PolicyTrainer`):
   the same clipped policy-gradient loss (`logprobs.clipped_pg_loss`), weighted by
   1 / (rows of the adapter in the *whole* update) so the sum over ranks equals the
   torch strategy's loss; DeepSpeed averages gradients over ranks, hence the x world;
+- precision: the adapter factors are float32 parameters (`multilora.layer`, "Precision").
+  With a bf16 base (`bf16.enabled`, the cluster setting) DeepSpeed casts the module's
+  copies of them to bf16 for the forward and backward, and ZeRO keeps float32 master
+  weights and float32 AdamW moments (the bf16 gradients are applied to the float32
+  masters), so LoRA-sized updates accumulate in float32 as on the torch strategy. With an fp32 base nothing is
+  cast (DeepSpeed's fp32 mode) and the parameters are their own fp32 masters. The
+  model's bf16 copies are refreshed from the masters after every step, so exports read
+  bf16-rounded factors (the masters stay exact);
 - `reset_optimizer(name)` zeroes that adapter's moments and step in its partition
   (a replaced member's state resets alone) and `reload_weights()` refreshes the fp32
   master copies after the model's adapters were overwritten (evolution, resume).
@@ -141,7 +149,8 @@ class DeepSpeedPolicyTrainer:
         """Slots keep their group; the next member in the slot calls `reset_optimizer`."""
 
     def reload_weights(self) -> None:
-        """Copy the model's (bf16) adapter weights into ZeRO's fp32 master partitions."""
+        """Copy the model's adapter weights (bf16 copies under `bf16.enabled`, else the fp32
+        parameters themselves) into ZeRO's fp32 master partitions."""
         self.engine.optimizer._restore_from_bit16_weights()
 
     # ---- one update -----------------------------------------------------------------

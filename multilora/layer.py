@@ -15,6 +15,15 @@ batch of one does. Two equivalent kernels, chosen per call by shape:
   (profiled: the per-row gather was 1.7x the base linear's time at 16 rows x 1 token).
   The mask zeroes other slots exactly, so a row's result does not depend on its
   neighbours and gradients of other slots are exactly zero.
+
+Precision. The factors are float32 parameters whatever the base's dtype, and so are
+their gradients and AdamW states: a LoRA-sized update (lr 1e-6..1e-4 times a unit Adam
+step) is below half a bf16 ulp of most entries (bf16 keeps 8 significant bits: an entry of
+0.02 moves only by steps of 1.2e-4), so bf16 factors would swallow it (issue 12: 0.3 % of
+`lora_A` entries changed after 5 updates at lr 1e-6 with bf16 factors, 99.9 % in fp32).
+The forward casts them to the activation dtype (mixed precision as in Micikevicius et al.
+2018: fp32 master weights, low-precision compute); the cached inference stacks are kept
+in the base's dtype, so decoding casts nothing per token.
 """
 
 from __future__ import annotations
@@ -86,7 +95,8 @@ class MultiLoraLinear(nn.Module):
         self.rank = rank
         self.scaling = scaling
         self.routing = routing
-        dtype, device = base.weight.dtype, base.weight.device
+        # fp32 factors whatever the base dtype (module docstring, "Precision")
+        dtype, device = torch.float32, base.weight.device
         self.lora_A = nn.ParameterList(
             nn.Parameter(torch.zeros(rank, base.in_features, dtype=dtype, device=device)) for _ in range(n_slots)
         )
@@ -100,10 +110,13 @@ class MultiLoraLinear(nn.Module):
         self._stacked = None
 
     def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached `A: [N, r, in]` and `B^T: [N, r, out]` of every slot, without gradients."""
+        """Cached `A: [N, r, in]` and `B^T: [N, r, out]` of every slot in the base's dtype,
+        without gradients."""
         if self._stacked is None:
+            dtype = self.base.weight.dtype
             with torch.no_grad():
-                self._stacked = (torch.stack(list(self.lora_A)), torch.stack([b.T for b in self.lora_B]))
+                self._stacked = (torch.stack(list(self.lora_A)).to(dtype),
+                                 torch.stack([b.T for b in self.lora_B]).to(dtype).contiguous())
         return self._stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +129,8 @@ class MultiLoraLinear(nn.Module):
             # training: stack only this batch's slots, so gradients (and their memory)
             # reach exactly the adapters of its rows
             used, local = self.routing.used_slots()
-            a = torch.stack([self.lora_A[s] for s in used])
-            bt = torch.stack([self.lora_B[s].T for s in used])
+            a = torch.stack([self.lora_A[s] for s in used]).to(x.dtype)  # fp32 master -> compute dtype
+            bt = torch.stack([self.lora_B[s].T for s in used]).to(x.dtype)
             delta = torch.bmm(torch.bmm(flat, a.index_select(0, local).transpose(1, 2)), bt.index_select(0, local))
             return out + (self.scaling * delta).reshape(out.shape)
         a, bt = self._stacks()

@@ -128,17 +128,24 @@ class MultiLoraModel(nn.Module):
                     params[slot].copy_(value)
                 layer.invalidate()
 
-    def export_adapter(self, name: str, copy: bool = True) -> dict[str, torch.Tensor]:
-        """A detached PEFT-format CPU copy of adapter `name` (it travels to other processes).
+    def export_adapter(self, name: str, copy: bool = True, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A detached PEFT-format CPU copy of adapter `name` (it travels to other processes),
+        in `dtype` (default: the factors' own float32; vLLM or a bf16 PEFT model may ask for
+        their dtype).
 
         `copy=False` gives detached views of the live parameters instead, for a caller that
-        copies them right away (`packing.pack`)."""
+        copies them right away (`packing.pack`); with a `dtype` other than the factors' it
+        gives converted copies."""
         slot = self.slot_of[name]
         state = {}
         for module_name, layer in self.layers.items():
             for kind, params in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
                 value = params[slot].detach()
-                state[f"{PEFT_PREFIX}{module_name}.{kind}.weight"] = value.to("cpu", copy=True) if copy else value
+                if copy:
+                    value = value.to("cpu", dtype=dtype, copy=True)
+                elif dtype is not None:
+                    value = value.to(dtype)
+                state[f"{PEFT_PREFIX}{module_name}.{kind}.weight"] = value
         return state
 
     def peft_keys(self) -> Iterator[str]:
