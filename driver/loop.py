@@ -32,6 +32,7 @@ from driver import checkpoint
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
+from driver.learning_signal import LowSignalWatch, SignalReport, signal_report
 from driver.logs import set_position
 from driver.prompts import answer_prefix, student_prompt, teacher_prompt
 from driver.records import Proposal, Rollout, Task
@@ -61,7 +62,9 @@ class StepContext:
     bar: tqdm
     telemetry: Telemetry = field(default_factory=Telemetry)
     seconds: dict[str, float] = field(default_factory=dict)
-    last: str = "valid=- solve=- t_reward=-"  # the previous step's figures, shown beside the phase
+    last: str = "valid=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
+    low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
+    summaries: list[dict] = field(default_factory=list)  # record_step's summary of every step this process ran
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -92,16 +95,19 @@ def train_step(step: int, ctx: StepContext) -> dict[str, float]:
 
     with ctx.phase("update"):
         teacher_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
-        stats = update(ctx, proposals, teacher_rewards, rollouts)
+        stats, signal = update(ctx, proposals, teacher_rewards, rollouts)
+        # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
         ray.get(actors.population.record.remote(
-            [(t.teacher, matches[t.teacher], solve_rates[id(t)]) for t in tasks]))
+            [(p.teacher, matches[p.teacher], solve_rates[id(p.task)] if p.task is not None else None)
+             for p in proposals]))
         for t in tasks:
             ctx.buffer.add(t)
 
     with ctx.phase("evolve"):
         events = evolve(ctx, step) if cfg.population.evolve_every and step % cfg.population.evolve_every == 0 else []
 
-    return record_step(ctx, step, matches, proposals, teacher_rewards, tasks, solve_rates, rollouts, stats, events)
+    return record_step(ctx, step, matches, proposals, teacher_rewards, tasks, solve_rates, rollouts, stats, signal,
+                       events)
 
 
 # ---- phases ----------------------------------------------------------------------------
@@ -208,20 +214,27 @@ def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> dict[int, fl
 
 
 def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[float],
-           rollouts: list[Rollout]) -> dict[str, dict[str, float]]:
-    """Group-normalised advantages, one learner step, then adapter sync via the object store."""
+           rollouts: list[Rollout]) -> tuple[dict[str, dict[str, float]], SignalReport]:
+    """Group-normalised advantages, one learner step, then adapter sync via the object store.
+
+    Also returns the step's signal shares: the fraction of training rows (per member, per role,
+    overall) whose advantage is non-zero, the only rows that move an adapter."""
     rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r)
             for p, r in zip(proposals, teacher_rewards)]
     tasks = [p.task for p in proposals if p.task is not None]
     rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward)
              for r in rollouts]
     advantages = group_advantages([row[5] for row in rows], [row[:3] for row in rows])
+    signal = signal_report([row[0] for row in rows], [row[1] for row in rows], advantages,
+                           valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
+                           solved_rollouts=sum(r.correct for r in rollouts),
+                           malformed_rollouts=sum(r.malformed for r in rollouts))
     samples = [TrainSample(adapter, prompt, completion, adv)
                for (adapter, _, _, prompt, completion, _), adv in zip(rows, advantages)]
     actors = ctx.actors
     stats = ray.get(actors.learner.update.remote(samples))
     sync_adapters(actors)
-    return stats
+    return stats, signal
 
 
 def sync_adapters(actors: Actors) -> None:
@@ -286,7 +299,7 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
 
 # ---- records ---------------------------------------------------------------------------
 def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards, tasks, solve_rates,
-                rollouts, stats, events) -> dict[str, float]:
+                rollouts, stats, signal: SignalReport, events) -> dict[str, float]:
     ratings = ray.get(ctx.actors.population.ratings.remote())
     members = ray.get(ctx.actors.population.members.remote())
     teachers, students = members["teachers"], members["students"]
@@ -316,6 +329,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "student/reward": float(np.mean([r.reward for r in sr])) if sr else None,
             "learner/loss": stats.get(m, {}).get("loss"), "learner/grad_norm": stats.get(m, {}).get("grad_norm"),
             "learner/update_norm": stats.get(m, {}).get("update_norm"),
+            "learner/signal_share": signal.by_member.get(m),
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
             "population/conservative": rating.get("conservative"),
             **times,
@@ -350,8 +364,12 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
         "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
+        "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
+        "signal_share_student": signal.by_role.get("student", 0.0),
         "tasks": len(tasks), "replaced": len(events), **times,
     }
+    ctx.summaries.append(summary)
+    ctx.low_signal.observe(step, signal)
     return summary
 
 
@@ -487,10 +505,12 @@ def train(cfg: Config, resume: Path | None = None,
                 continue
             step += 1
             bar.update(1)
-            ctx.last = f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f}"
+            ctx.last = (f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f} "
+                        f"signal={s['signal_share']:.2f}")
             bar.set_postfix_str(f"phase=done {ctx.last}")
-            log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f tasks %d replaced %d | %s", step,
-                     s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["tasks"], s["replaced"],
+            log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f signal %.2f tasks %d replaced %d | %s",
+                     step, s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["signal_share"], s["tasks"],
+                     s["replaced"],
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))
             every = cfg.run.checkpoint_every
             if step == cfg.run.steps or (every and step % every == 0):

@@ -377,6 +377,7 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "mean solve rate over the run": _fmt(_run_mean(run, "student/solve_rate")),
         "final valid-task rate": _fmt(_final_mean(run, "teacher/valid_rate")),
         "mean valid-task rate over the run": _fmt(_run_mean(run, "teacher/valid_rate")),
+        "mean signal share over the run": _fmt(_run_mean(run, "learner/signal_share")),
         "final teacher reward": _fmt(_final_mean(run, "teacher/reward")),
         "seconds per step": _fmt(float(np.mean(times["step"])) if times["step"] else None, 1),
     }
@@ -488,6 +489,10 @@ FIGURES = (
      "Mean teacher reward: −1 for an invalid task, 0 for a task nobody solved, else 1 − solve rate."),
     ("valid_rate.png", "Valid-task rate",
      "Fraction of a teacher's proposals the verifier accepted (parses, defines f, deterministic, literal output)."),
+    ("signal_share.png", "Signal share",
+     "Fraction of a member's training rows with a non-zero advantage: the only rows that change an adapter. "
+     "A group (adapter, role, task type) whose rewards are all equal has zero advantage, so a step where every "
+     "proposal is invalid, or every answer is wrong, teaches nothing. Below 10% for 3 steps the run warns."),
     ("complexity.png", "Program complexity",
      "AST depth, cyclomatic complexity, lines and variables of the valid proposed programs, mean per step."),
     ("lineage.png", "Lineage of replacements",
@@ -529,6 +534,8 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
                                                 bounds=(-1.0, 1.0)),
             "valid_rate.png": metric_figure(runs, "teacher/valid_rate", "Valid-task rate",
                                             "valid tasks (fraction of proposals)", bounds=(0.0, 1.0)),
+            "signal_share.png": metric_figure(runs, "learner/signal_share", "Signal share",
+                                              "rows with non-zero advantage (fraction)", bounds=(0.0, 1.0)),
             "complexity.png": complexity_figure(runs),
             "lineage.png": lineage_figure(main),
             "time.png": time_figure(runs),
