@@ -28,7 +28,8 @@ class PopulationManager:
     def match(self) -> dict[str, str]:
         return self.population.match()
 
-    def record(self, games: list[tuple[str, str, float]]) -> None:
+    def record(self, games: list[tuple[str, str, float | None]]) -> None:
+        """(teacher, student, solve rate), one per proposal; None: an invalid one (a forfeit)."""
         self.population.record(games)
 
     def ratings(self) -> dict[str, dict[str, float]]:

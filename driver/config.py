@@ -34,7 +34,9 @@ class RunConfig:
 class ModelConfig:
     # "embedded:smollm2-135m-instruct", "embedded:tiny-llama", or a local HF model directory
     path: str = "embedded:smollm2-135m-instruct"
-    dtype: str = "float32"
+    # "auto": bf16 base where the actor's CPU (AMX/AVX512-BF16) or GPU has hardware bf16,
+    # else fp32 (multilora.model.resolve_dtype); LoRA factors are fp32 either way
+    dtype: str = "auto"
     max_model_len: int = 2048
 
 
@@ -61,6 +63,13 @@ class PopulationConfig:
     pfsp_weighting: str = "variance"  # f(x) = x(1-x); "hard": (1-x)^p
     pfsp_p: float = 1.0
     probe_tasks: int = 6  # fixed probe per replacement: capability retention of child vs parent
+    # A child cannot be replaced before it has played this many games (one per proposal): its
+    # reset sigma would make it the next one culled. TrueSkill sigma over fair games: 8.3 at
+    # birth, 1.4 after 40, 0.9 after 100, floor 0.8, so after 100 games a child's mu - 3 sigma is
+    # within ~0.3 of a veteran's with the same mu. Cost: with 2 per role and 30 games between
+    # evolution steps (configs/local.yaml) the role waits while the child rates lowest. Effect:
+    # python -m bench.selection (fair-coin games; share of replacements removing the last child).
+    min_games: int = 100
 
 
 @dataclass
@@ -141,7 +150,7 @@ _CHOICES = {
     "population.mode": ("population", "single"),
     "population.pfsp_weighting": ("variance", "hard"),
     "inference.backend": ("hf", "vllm"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "learner.strategy": ("torch", "deepspeed"),
 }
 _TASK_TYPES = ("code_i", "code_o", "code_f")
@@ -240,7 +249,7 @@ def _validate(cfg: Config) -> None:
     if cfg.population.mode == "population":
         positive("population.teachers", cfg.population.teachers)
         positive("population.students", cfg.population.students)
-    for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads"):
+    for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")

@@ -122,7 +122,7 @@ def create_actors(cfg: Config) -> Actors:
     if cfg.learner.strategy == "deepspeed":
         from multilora.deepspeed_strategy import DeepSpeedSettings  # pure dataclass: no deepspeed import
 
-        deepspeed = DeepSpeedSettings(zero_stage=cfg.learner.zero_stage, bf16=cfg.model.dtype == "bfloat16",
+        deepspeed = DeepSpeedSettings(zero_stage=cfg.learner.zero_stage, bf16={"bfloat16": True, "auto": None}.get(cfg.model.dtype, False),
                                       offload_optimizer=cfg.learner.offload_optimizer)
     learner = Learner.options(name=_free_name("Learner"), num_cpus=cfg.ray.actor_cpus,
                               num_gpus=cfg.ray.learner_gpus).remote(
@@ -132,6 +132,7 @@ def create_actors(cfg: Config) -> Actors:
     population = PopulationManager.options(name=_free_name("PopulationManager"), num_cpus=0).remote(
         mode=p.mode, teachers=p.teachers, students=p.students, seed=cfg.run.seed, operators=p.operators,
         pfsp_weighting=p.pfsp_weighting, pfsp_p=p.pfsp_p, tournament_k=p.tournament_k, child_sigma=p.child_sigma,
+        min_games=p.min_games,
     )
     v = cfg.verifier
     pool = VerifierPool(min_workers=v.min_workers, max_workers=v.max_workers, chunk_size=v.chunk_size,

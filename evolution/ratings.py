@@ -1,21 +1,32 @@
 """TrueSkill ratings for teachers and students, fed by solve rates.
 
-One game per (teacher, student, task): the task's solve rate ``rho`` (fraction of the
-student's ``n`` rollouts that the verifier marks correct) decides it:
+One game per proposal, between its teacher and the matched student. A valid task's solve
+rate ``rho`` (fraction of the student's ``n`` rollouts that the verifier marks correct)
+decides it:
 
 - ``rho > 0.5``: the student wins (it solves the task more often than not);
 - ``rho < 0.5``: the teacher wins (it posed a task its student mostly fails);
-- ``rho == 0.5`` exactly: a draw.
+- ``rho == 0.5`` exactly: a draw;
+- an invalid proposal (``record_forfeit``): a forfeit, the teacher loses to the student
+  it was matched with (the same update as ``rho = 1``).
 
 Why: the teacher's objective is tasks its student cannot solve and the student's is
 to solve them, so the majority outcome of the student's rollouts is the natural winner.
-A task with ``rho == 0`` earns the teacher reward 0, not 1 (DESIGN.md §1: an unsolvable
-task teaches nothing, and rewarding it would push teachers to garbage), but it still
-counts as a teacher *win* here: ratings measure relative strength, the reward shapes
-learning. A student that solves none of a teacher's valid tasks is weaker than that
-teacher, whether or not those tasks were useful. Invalid tasks never reach a student
-and are no game at all. Callers play one game per valid task (``record_games``), so a
-batch's weight in the ratings grows with its number of tasks.
+
+The ``rho == 0`` outcome, on purpose: such a task earns the teacher reward 0, not 1
+(DESIGN.md §1: an unsolvable task teaches nothing, and rewarding it would push teachers
+to garbage), yet it counts as a teacher *win* here. Ratings measure relative strength
+and serve selection; the reward shapes learning. A student that solves none of a
+teacher's valid tasks is weaker than that teacher, whether or not those tasks were
+useful. The price: a teacher that only writes unsolvable (but valid) tasks climbs in
+the ratings while its reward stays 0; its policy gradient is then driven by the
+reward alone, and the report shows both curves side by side.
+
+Invalid proposals are forfeits rather than no game: a teacher that writes only invalid
+tasks would otherwise keep its prior ``mu - 3 sigma = 0`` and outrank a teacher whose
+one valid task was solved (about -0.79), so selection would protect the broken teacher.
+Callers play one game per proposal (``record_games`` / ``record_forfeit``), so a batch's
+weight in the ratings grows with its number of proposals.
 
 TrueSkill (Herbrich et al., 2006) via the ``trueskill`` package, pure-Python backend
 (set explicitly: no mpmath/scipy dependency, identical floats everywhere).
@@ -133,6 +144,10 @@ class Ratings:
             env, ranks = self._draw_env, [0, 0]
         (new_t,), (new_s,) = env.rate([(rt,), (rs,)], ranks=ranks)
         self._ratings[teacher], self._ratings[student] = new_t, new_s
+
+    def record_forfeit(self, teacher: str, student: str) -> None:
+        """An invalid proposal: the teacher forfeits its game against its matched student."""
+        self.record_game(teacher, student, 1.0)
 
     def record_games(self, teacher: str, student: str, solve_rates: Iterable[float]) -> None:
         """One game per valid task, in order."""

@@ -43,3 +43,45 @@ def test_state_dict_roundtrip_continues_identically():
     b.load_state_dict(a.state_dict())
     assert [a.match() for _ in range(3)] == [b.match() for _ in range(3)]
     assert a.plan_replacements(1) == b.plan_replacements(1)
+
+
+def test_invalid_proposal_is_a_forfeit_and_counts_as_a_game():
+    pop = Population("population", 2, 2, seed=0, operators=MIX)
+    pop.record([("teacher-0", "student-0", None)])
+    assert pop.ratings.mu("teacher-0") < 25.0 < pop.ratings.mu("student-0")
+    assert pop.games == {"teacher-0": 1, "student-0": 1}
+
+
+def _newborns(min_games: int) -> tuple[Population, str]:
+    """4 teachers; teacher-0 is replaced at step 1 by a child with a fresh sigma."""
+    pop = Population("population", 4, 4, seed=0, operators=MIX, min_games=min_games)
+    for _ in range(30):  # veterans: sigma down; teacher-0 clearly the weakest
+        pop.record([("teacher-0", "student-0", 1.0)] + [(f"teacher-{i}", f"student-{i}", 0.5) for i in (1, 2, 3)])
+    (child,) = [e.child for e in pop.plan_replacements(step=1) if e.role == "teacher"]
+    return pop, child
+
+
+def test_a_child_is_protected_until_it_has_played_min_games():
+    pop, child = _newborns(min_games=5)
+    assert pop.ratings.conservative(child) == min(pop.ratings.conservative(m) for m in pop.teachers)
+    assert pop.protected(child)
+    (e,) = [e for e in pop.plan_replacements(step=2) if e.role == "teacher"]
+    assert e.dead != child and child in pop.teachers, "a protected child was replaced"
+    pop.record([(child, pop.students[0], 0.5)] * 5)
+    assert not pop.protected(child)
+    unprotected, child0 = _newborns(min_games=0)
+    (e,) = [e for e in unprotected.plan_replacements(step=2) if e.role == "teacher"]
+    assert e.dead == child0, "without protection the newborn (largest sigma) is the one culled"
+
+
+def test_two_per_role_waits_instead_of_letting_the_protection_choose():
+    pop = Population("population", 2, 2, seed=0, operators=MIX, min_games=10)
+    for _ in range(20):
+        pop.record([("teacher-0", "student-0", 1.0), ("teacher-1", "student-1", 0.0)])
+    (child,) = [e.child for e in pop.plan_replacements(step=1) if e.role == "teacher"]
+    assert [e for e in pop.plan_replacements(step=2) if e.role == "teacher"] == [], \
+        "the child rates lowest but is protected: the veteran must not be culled in its place"
+    state = pop.state_dict()
+    restored = Population("population", 2, 2, seed=5, operators=MIX, min_games=10)
+    restored.load_state_dict(state)
+    assert restored.protected(child) and restored.games == pop.games

@@ -89,3 +89,22 @@ def test_state_dict_roundtrips_through_json():
     ratings.record_game("t0", "child", 0.8)
     restored.record_game("t0", "child", 0.8)
     assert restored.state_dict() == ratings.state_dict(), "restored ratings evolve differently"
+
+
+def test_forfeit_is_a_teacher_loss_so_a_broken_teacher_cannot_outrank_a_working_one():
+    ratings = Ratings()
+    for m in ("broken", "working", "s0", "s1"):
+        ratings.add(m)
+    ratings.record_forfeit("broken", "s0")  # its only proposal was invalid
+    ratings.record_game("working", "s1", 1.0)  # its only valid task was solved
+    assert ratings.mu("broken") < 25.0 < ratings.mu("s0")
+    assert ratings.conservative("broken") == pytest.approx(ratings.conservative("working"))
+    assert ratings.conservative("broken") < 0.0, "a forfeit must cost the teacher its prior score"
+
+
+def test_rho_zero_is_a_teacher_win_although_its_reward_is_zero():
+    from driver.rewards import teacher_reward
+
+    ratings = pair()
+    ratings.record_game("t0", "s0", 0.0)
+    assert ratings.mu("t0") > 25.0 and teacher_reward(True, 0.0) == 0.0
