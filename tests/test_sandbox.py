@@ -306,6 +306,21 @@ def test_complexity():
     assert complexity("def f(:") == dict.fromkeys(measures, 0)
 
 
+def test_ast_hash_abstracts_names_and_constants_but_not_structure():
+    from verifier_sandbox import ast_hash
+
+    base = ast_hash("def f(xs, k):\n    return sorted(xs)[:k]")
+    assert len(base) == 16
+    assert ast_hash("def f(a, b):  # renamed\n\n    return sorted(a)[:b]") == base
+    assert ast_hash("def f(a, b):\n    return sorted(b)[:a]") != base, "data flow must count"
+    assert ast_hash("def f(a, b):\n    return reversed(a)[:b]") != base, "builtins are operations"
+    assert ast_hash("def f(x):\n    return x + 1") == ast_hash("def f(y):\n    return y + 7")
+    assert ast_hash("def f(x):\n    return x + 1") != ast_hash("def f(x):\n    return x + 'a'")
+    assert ast_hash("def f(x):\n    return x.append(1)") != ast_hash("def f(x):\n    return x.pop(1)")
+    assert ast_hash("def f(:") is None and ast_hash(None) is None
+    assert ast_hash("x = " + "(" * 90 + "1" + ")" * 90) is not None
+
+
 def test_all_idle_zygotes_dead_at_once_are_replaced():
     """Several warm zygotes of one seed killed together: the next run still succeeds."""
     import threading

@@ -3,11 +3,11 @@
 Never imports Ray, torch or the driver: actors/verifier.py is the Ray shell around it.
 """
 
-from .complexity import complexity
+from .complexity import ast_hash, complexity
 from .execute import RunResult, run_program
 from .protocol import handle
 from .screening import screen
 from .tasks import TASK_TYPES, Validation, Verdict, check, validate
 
 __all__ = ["RunResult", "Validation", "Verdict", "TASK_TYPES", "run_program", "validate",
-           "check", "screen", "complexity", "handle"]
+           "check", "screen", "complexity", "ast_hash", "handle"]
