@@ -33,6 +33,7 @@ Known differences, unverified on GPU (no GPU nor deepspeed where this was writte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,9 +41,9 @@ from typing import Any
 
 import torch
 
-from multilora.logprobs import clipped_pg_loss, pack, token_logprobs
+from multilora.logprobs import clipped_pg_loss, token_logprobs
 from multilora.model import MultiLoraModel
-from multilora.trainer import TrainerSettings, TrainSample, micro_batches
+from multilora.trainer import TrainerSettings, TrainSample, micro_batches, pack_samples
 
 
 def require_deepspeed():
@@ -62,7 +63,7 @@ class DeepSpeedSettings:
     """The knobs of the strategy; everything else comes from `TrainerSettings`."""
 
     zero_stage: int = 2
-    bf16: bool = True
+    bf16: bool | None = True  # None: follow the base model's dtype (model.dtype "auto")
     overlap_comm: bool = True
     reduce_bucket_size: int = 50_000_000
     allgather_bucket_size: int = 50_000_000
@@ -125,6 +126,8 @@ class DeepSpeedPolicyTrainer:
         self.settings = settings
         self.pad_id = pad_id
         model.set_trainable(True)
+        if ds.bf16 is None:  # "auto": DeepSpeed's bf16 mode exactly when the base was loaded in bf16
+            ds = dataclasses.replace(ds, bf16=next(model.base.parameters()).dtype == torch.bfloat16)
         self.groups = [{"params": [layer.lora_A[s] for layer in model.layers.values()]
                         + [layer.lora_B[s] for layer in model.layers.values()], "name": f"slot-{s}"}
                        for s in range(model.n_slots)]
@@ -177,7 +180,7 @@ class DeepSpeedPolicyTrainer:
                 self.engine.backward(anchor)
                 continue
             adapters = [mine[i].adapter for i in idx]
-            packed = pack([mine[i].prompt_ids for i in idx], [mine[i].completion_ids for i in idx], self.pad_id)
+            packed = pack_samples(mine, idx, self.pad_id)
             packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
                                                            packed.completion_mask)))
             with torch.no_grad():

@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 from multilora.model import MultiLoraModel
+from multilora.reply_format import FormatCursor, ReplyFormat
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling; `temperature=0` is greedy. Stop strings stay in the text.
     `ignore_eos` keeps sampling past the end-of-sequence token (benchmarks: exactly
-    `max_new_tokens` per row), as vLLM's option of that name."""
+    `max_new_tokens` per row), as vLLM's option of that name. `reply_format`: the generator
+    supplies the format's fixed text and the model writes only the contents
+    (`multilora.reply_format`; the caller puts `reply_format.opening` in the prompt)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -24,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    reply_format: ReplyFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,15 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Completion:
+    """`supplied[t]`: token t was put in by the reply format, not sampled (empty: none
+    was). `logprobs[t]`: log pi(token t | everything before) under the model, from the
+    raw logits (before temperature, top-p or format masks), when the engine reports it."""
+
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" (eos or a stop string) or "length"
+    supplied: tuple[bool, ...] = ()
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,16 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
     budget = [r.params.max_new_tokens for r in rows]
     out: list[list[int]] = [[] for _ in rows]
+    logprobs: list[list[float]] = [[] for _ in rows]
+    supplied: list[list[bool]] = [[] for _ in rows]
+    cursors = [FormatCursor(r.params.reply_format) if r.params.reply_format else None for r in rows]
+    encoded: dict[str, list[int]] = {}
+
+    def encode(text: str) -> list[int]:
+        if text not in encoded:
+            encoded[text] = tokenizer.encode(text, add_special_tokens=False)
+        return encoded[text]
+
     reason = ["length"] * batch
     live = list(range(batch))  # rows still generating; finished rows leave the batch
     cache = DynamicCache()
@@ -96,11 +116,30 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
             # logits_to_keep=1: the prompt's positions never go through the LM head
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-            tokens = _sample(logits, temperature, top_p, generator).tolist()
+            log_norm = torch.logsumexp(logits.float(), dim=-1)
+            unfinished = [k for k, i in enumerate(live) if cursors[i] is not None and not cursors[i].finished_sections]
+            sample_from = logits
+            if unfinished:  # a row may not end before its format's sections are closed
+                sample_from = logits.clone()
+                sample_from[torch.tensor(unfinished, device=device)[:, None],
+                            torch.tensor(sorted(eos_ids), device=device)[None, :]] = float("-inf")
+            tokens = _sample(sample_from, temperature, top_p, generator).tolist()
+            forced = [False] * len(live)
+            for k, i in enumerate(live):
+                if cursors[i] is not None and cursors[i].pending:
+                    tokens[k], forced[k] = cursors[i].take_supplied(), True
+            picked = logits.gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1).float() - log_norm
             keep = []
-            for k, (i, tok) in enumerate(zip(live, tokens)):
+            for k, (i, tok, lp) in enumerate(zip(live, tokens, picked.tolist())):
                 out[i].append(tok)
-                if tok in eos_ids and not rows[i].params.ignore_eos:
+                logprobs[i].append(lp)
+                supplied[i].append(forced[k])
+                cursor = cursors[i]
+                if cursor is not None and not forced[k]:
+                    cursor.model_text(tokenizer.decode([tok], skip_special_tokens=True), encode)
+                if cursor is not None and cursor.done:
+                    reason[i] = "stop"
+                elif tok in eos_ids and not rows[i].params.ignore_eos:
                     reason[i] = "stop"
                 elif rows[i].params.stop and _hits_stop(tokenizer, out[i], rows[i].params.stop):
                     reason[i] = "stop"
@@ -120,7 +159,8 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
                     model.routing.slots = model.routing.slots[index]
                 live = [live[k] for k in keep]
     return [
-        Completion(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids), finish_reason=reason[i])
+        Completion(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids), finish_reason=reason[i],
+                   supplied=tuple(supplied[i]) if cursors[i] is not None else (), logprobs=tuple(logprobs[i]))
         for i, ids in enumerate(out)
     ]
 

@@ -28,7 +28,10 @@ class PackedBatch:
     completion_mask: torch.Tensor  # [batch, T-1], 1 where position t predicts a completion token
 
 
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
+         supplied: Sequence[Sequence[bool]] | None = None) -> PackedBatch:
+    """Right-padded rows; `supplied[i][t]` True leaves completion token t of row i out of
+    the completion mask (text the reply format supplied: context, never trained on)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
@@ -38,6 +41,10 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         ids[i, : len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
         attn[i, : len(p) + len(c)] = 1
         comp[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
+        if supplied is not None and any(supplied[i]):
+            if len(supplied[i]) != len(c):
+                raise ValueError(f"row {i}: {len(supplied[i])} supplied flags for {len(c)} completion tokens")
+            comp[i, len(p) - 1 : len(p) + len(c) - 1] -= torch.tensor(supplied[i], dtype=torch.float32)
     return PackedBatch(ids, attn, comp)
 
 

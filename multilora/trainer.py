@@ -16,18 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
-from multilora.logprobs import clipped_pg_loss, pack, token_logprobs
+from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs
 from multilora.model import MultiLoraModel
 
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One rollout to learn from: which adapter produced it, the tokens and its advantage."""
+    """One rollout to learn from: which adapter produced it, the tokens and its advantage.
+    `supplied[t]` marks completion tokens the reply format put in (left out of the loss;
+    empty: every completion token is the model's own)."""
 
     adapter: str
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     advantage: float
+    supplied: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
     (the batches still mix adapters freely)."""
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
     return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def pack_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int) -> PackedBatch:
+    """The rows `idx` of `samples`, packed with their loss masks (supplied tokens left out)."""
+    return pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], pad_id,
+                [samples[i].supplied for i in idx])
 
 
 class PolicyTrainer:
@@ -71,7 +80,7 @@ class PolicyTrainer:
     def _old_logprobs(self, samples: Sequence[TrainSample], batches: list[list[int]]) -> dict[int, torch.Tensor]:
         old: dict[int, torch.Tensor] = {}
         for idx in batches:
-            packed = pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], self.pad_id)
+            packed = pack_samples(samples, idx, self.pad_id)
             logp = token_logprobs(self.model, packed, [samples[i].adapter for i in idx])
             for row, i in enumerate(idx):
                 old[i] = logp[row]
@@ -100,7 +109,7 @@ class PolicyTrainer:
                 opt.zero_grad(set_to_none=True)
             for idx in batches:
                 adapters = [samples[i].adapter for i in idx]
-                packed = pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], self.pad_id)
+                packed = pack_samples(samples, idx, self.pad_id)
                 logp = token_logprobs(self.model, packed, adapters)
                 old_logp = torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
                 adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)

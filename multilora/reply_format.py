@@ -1,0 +1,152 @@
+"""A reply format whose fixed text the generator supplies, so the model writes only contents.
+
+A format is an opening, then sections the model writes, each closed by the model with
+its `end` text, joined by fixed text the generator supplies, and a fixed closing:
+
+    opening  content_0 end_0  join_1  content_1 end_1  ...  content_k end_k  closing
+
+For AZR's teacher reply (code_i / code_o) that is
+    "<answer>\\n```python\\ndef f("  program  "```"  "\\n```input\\n"  input  "```"  "\\n</answer>".
+
+The opening is the reply prefix the caller puts at the end of the prompt (prefilled with
+it, never trained on). The rest is the generator's job, in both backends:
+
+- hf (`multilora.generation`): when a row's section content reaches its `end`, the next
+  join (or the closing) is fed token by token as the row's next tokens instead of sampled
+  ones, inside the same decode loop (no second prefill); end-of-sequence is masked out
+  while a format is unfinished; once the closing is in, the row stops.
+- vllm: the same language as a regular expression (`ReplyFormat.regex`) through vLLM's
+  structured outputs, which forces the fixed text and forbids stopping early.
+
+Supplied tokens are context, not the model's choice: `supplied_mask` marks them so that
+the learner leaves them out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """`opening` (in the prompt), then `len(ends)` sections; `joins[i]` is supplied after
+    section i closes (there are `len(ends) - 1`), `closing` after the last one."""
+
+    opening: str
+    ends: tuple[str, ...]
+    joins: tuple[str, ...] = ()
+    closing: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.ends:
+            raise ValueError("a reply format needs at least one section")
+        if len(self.joins) != len(self.ends) - 1:
+            raise ValueError(f"{len(self.ends)} sections need {len(self.ends) - 1} joins, got {len(self.joins)}")
+        if any(not e for e in self.ends):
+            raise ValueError("every section needs a non-empty end text")
+
+    def supplied_after(self, section: int) -> str:
+        """The fixed text the generator supplies once section `section` is closed."""
+        return self.joins[section] if section < len(self.joins) else self.closing
+
+    @property
+    def text(self) -> str:
+        """The format with `...` for each content (for prompts and docs)."""
+        parts = [self.opening]
+        for i, end in enumerate(self.ends):
+            parts += ["...", end, self.supplied_after(i)]
+        return "".join(parts)
+
+    def regex(self) -> str:
+        """The reply after the opening as a regular expression (vLLM structured outputs):
+        each content is any text that does not contain its end."""
+        parts = []
+        for i, end in enumerate(self.ends):
+            parts += [_content_without(end), _escape(end), _escape(self.supplied_after(i))]
+        return "".join(parts)
+
+
+def _content_without(end: str) -> str:
+    """A regex for text not containing `end`: no prefix of `end` longer than its first
+    character may be followed by anything but the rest (prefix-closed, so a regex engine
+    without look-ahead, as in grammar backends, accepts it).
+
+    For "```": (?:[^`]|`[^`]|``[^`])*  — content may not end in a backtick either. A
+    partial end may not be followed by the end's first character ("<<" is refused before
+    "</answer>"): slightly stricter than "does not contain", but never looser.
+    """
+    options = []
+    for k in range(len(end)):
+        refused = dict.fromkeys(end[k] + (end[0] if k else ""))
+        options.append(_escape(end[:k]) + "[^" + "".join(_class_escape(c) for c in refused) + "]")
+    return "(?:" + "|".join(options) + ")*"
+
+
+def _class_escape(ch: str) -> str:
+    return _escape(ch) if ch in "\n\t\r" else ("\\" + ch if ch in "\\]^-[" else ch)
+
+
+def _escape(text: str) -> str:
+    """A regex literal for `text` that grammar backends parse like Python does (no raw newlines)."""
+    special = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return "".join(special.get(c, c if c.isalnum() or c in " _<>/=:,'\"`" else "\\" + c) for c in text)
+
+
+class FormatCursor:
+    """Where one row is in its format while it is generated (hf backend).
+
+    Feed every generated token's text with `model_text` (sampled) or `take_supplied`
+    (forced); `pending` holds the supplied tokens still to feed."""
+
+    def __init__(self, fmt: ReplyFormat) -> None:
+        self.fmt = fmt
+        self.section = 0
+        self.content = ""  # text of the current section so far (model's tokens only)
+        self.pending: list[int] = []
+        self.done = False
+
+    def model_text(self, text: str, encode) -> None:
+        """A sampled token's text; when it closes the section, queue the supplied text."""
+        self.content += text
+        if self.fmt.ends[self.section] in self.content:
+            supplied = self.fmt.supplied_after(self.section)
+            self.section += 1
+            self.content = ""
+            self.pending = list(encode(supplied)) if supplied else []
+            if self.section == len(self.fmt.ends) and not self.pending:
+                self.done = True
+
+    def take_supplied(self) -> int:
+        token = self.pending.pop(0)
+        if not self.pending and self.section == len(self.fmt.ends):
+            self.done = True
+        return token
+
+    @property
+    def finished_sections(self) -> bool:
+        return self.section == len(self.fmt.ends)
+
+
+def supplied_mask(tokenizer, token_ids: Sequence[int], fmt: ReplyFormat) -> tuple[bool, ...]:
+    """Which completion tokens lie wholly inside the text the format supplies (joins and
+    closing), found by walking the decoded text: for an engine that does not report them
+    (vLLM's structured outputs force those tokens without saying so)."""
+    pieces = [tokenizer.decode(list(token_ids[: i + 1]), skip_special_tokens=True) for i in range(len(token_ids))]
+    text = pieces[-1] if pieces else ""
+    spans, pos = [], 0
+    for i, end in enumerate(fmt.ends):
+        at = text.find(end, pos)
+        if at < 0:
+            break
+        pos = at + len(end)
+        supplied = fmt.supplied_after(i)
+        if supplied and text.startswith(supplied, pos):
+            spans.append((pos, pos + len(supplied)))
+            pos += len(supplied)
+    mask, start = [], 0
+    for piece in pieces:
+        stop = len(piece)
+        mask.append(stop > start and any(a <= start and stop <= b for a, b in spans))
+        start = stop
+    return tuple(mask)

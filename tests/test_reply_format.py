@@ -1,0 +1,113 @@
+"""The constrained reply format: its regular expression, the hf generator supplying the
+fixed text, and the learner leaving supplied tokens out of the loss."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.logprobs import pack, token_logprobs
+from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.reply_format import ReplyFormat, supplied_mask
+from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
+
+SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+TEACHER = ReplyFormat("<answer>\n```python\ndef f(", ("```", "```"), ("\n```input\n",), "\n</answer>")
+
+
+def test_regex_accepts_the_format_and_refuses_an_early_end():
+    r = TEACHER.regex()
+    assert re.fullmatch(r, "x):\n    return x * 2\n```\n```input\n3```\n</answer>")
+    assert not re.fullmatch(r, "x):\n ```` \n```\n```input\n3```\n</answer>")  # a fence inside the program
+    assert not re.fullmatch(r, "x):\n    return x\n```\n```input\n3```")  # the closing is part of the format
+    student = ReplyFormat("<answer>", ("</answer>",))
+    assert re.fullmatch(student.regex(), "[1, 2], 'a<b'</answer>")
+    assert not re.fullmatch(student.regex(), "1</answer>2</answer>")
+
+
+def test_format_needs_one_join_between_sections():
+    with pytest.raises(ValueError, match="2 sections need 1 joins"):
+        ReplyFormat("<answer>", ("```", "```"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    m = MultiLoraModel(load_base_model(tiny_model_path), SPEC, n_slots=2)
+    g = torch.Generator().manual_seed(0)
+    m.add_adapter("a", generator=g)
+    with torch.no_grad():  # a non-zero B, so the adapter matters
+        for p in m.adapter_parameters("a"):
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    m.invalidate()
+    return m
+
+
+def _prompt(tokenizer) -> tuple[int, ...]:
+    return tuple(tokenizer("def f(x): return x", add_special_tokens=False)["input_ids"])
+
+
+def test_generator_supplies_the_closing_when_the_model_ends_a_section(model, tokenizer):
+    prompt = _prompt(tokenizer)
+    free = generate(model, tokenizer, [GenerationRequest("a", prompt, SamplingParams(
+        temperature=0.0, max_new_tokens=16, ignore_eos=True))])[0].completions[0]
+    # the first greedy token whose text is new ends the model's section
+    k = next(k for k in range(1, 16) if tokenizer.decode([free.token_ids[k]]).strip()
+             and tokenizer.decode([free.token_ids[k]]) not in tokenizer.decode(list(free.token_ids[:k])))
+    end = tokenizer.decode([free.token_ids[k]])
+    fmt = ReplyFormat("", (end,), closing="\n</answer>")
+    got = generate(model, tokenizer, [GenerationRequest("a", prompt, SamplingParams(
+        temperature=0.0, max_new_tokens=32, reply_format=fmt))])[0].completions[0]
+    closing = tokenizer.encode("\n</answer>", add_special_tokens=False)
+    assert got.token_ids == free.token_ids[:k + 1] + tuple(closing)
+    assert got.supplied == (False,) * (k + 1) + (True,) * len(closing)
+    assert got.finish_reason == "stop" and got.text.endswith("</answer>")
+    # the same mask found from the text alone (what the vllm backend does)
+    assert supplied_mask(tokenizer, got.token_ids, fmt) == got.supplied
+
+
+def test_engine_logprobs_equal_the_learners(model, tokenizer):
+    prompt = _prompt(tokenizer)
+    fmt = ReplyFormat("", ("e",), closing="\n</answer>")
+    outs = generate(model, tokenizer, [GenerationRequest("a", prompt, SamplingParams(
+        temperature=1.0, max_new_tokens=12, n=3, reply_format=fmt))],
+        generator=torch.Generator().manual_seed(1))[0].completions
+    for c in outs:
+        packed = pack([prompt], [c.token_ids], tokenizer.pad_token_id)
+        with torch.no_grad():
+            learner = token_logprobs(model, packed, ["a"])[0, len(prompt) - 1:]
+        assert torch.allclose(learner, torch.tensor(c.logprobs), atol=1e-4), (learner, c.logprobs)
+
+
+def test_pack_leaves_supplied_tokens_out_of_the_completion_mask():
+    packed = pack([(1, 2)], [(3, 4, 5)], 0, [(False, True, False)])
+    assert packed.completion_mask.tolist() == [[0.0, 1.0, 0.0, 1.0]]
+    with pytest.raises(ValueError, match="2 supplied flags for 3"):
+        pack([(1, 2)], [(3, 4, 5)], 0, [(False, True)])
+
+
+def _update(model, tokenizer, samples):
+    m = copy.deepcopy(model)
+    PolicyTrainer(m, TrainerSettings(lr=1e-2), pad_id=tokenizer.pad_token_id).update(samples)
+    return m.export_adapter("a")
+
+
+def test_supplied_tokens_get_no_gradient_and_nothing_supplied_is_todays_update(model, tokenizer):
+    before = model.export_adapter("a")
+    sample = TrainSample("a", (5, 6, 7), (8, 9, 10), 1.0)
+    today = _update(model, tokenizer, [sample])
+    flags = _update(model, tokenizer, [TrainSample("a", (5, 6, 7), (8, 9, 10), 1.0, (False, False, False))])
+    assert all(torch.equal(today[k], flags[k]) for k in today)
+    assert any(not torch.equal(today[k], before[k]) for k in today)
+    all_supplied = _update(model, tokenizer, [TrainSample("a", (5, 6, 7), (8, 9, 10), 1.0, (True, True, True))])
+    assert all(torch.equal(all_supplied[k], before[k]) for k in before), "supplied tokens were trained on"
