@@ -25,12 +25,12 @@ log = logging.getLogger(__name__)
 class HFEngine(ChatEngineMixin):
     """The in-process engine behind the "hf" backend (no Ray: usable from tests and benches)."""
 
-    def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
+    def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "auto",
                  max_batch: int = 32, seed: int = 0) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype), default_device()), spec, n_slots)
+        self.model = MultiLoraModel(load_base_model(model_path, dtype, default_device()), spec, n_slots)
         self.max_batch = max_batch
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -57,7 +57,7 @@ class HFEngine(ChatEngineMixin):
 BACKENDS = ("hf", "vllm")
 
 
-def create_engine(backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
+def create_engine(backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "auto",
                   max_batch: int = 32, seed: int = 0):
     """The engine of `backend`: "hf" (ours) or "vllm" (imported only when chosen)."""
     if backend == "hf":
@@ -73,7 +73,7 @@ def create_engine(backend: str, model_path: str, spec: LoraSpec, n_slots: int, d
 class InferenceServer:
     """Ray shell over a generation engine; see module docstring."""
 
-    def __init__(self, backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
+    def __init__(self, backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "auto",
                  max_batch: int = 32, seed: int = 0, threads: int = 0) -> None:
         self.incarnation = uuid.uuid4().hex
         if threads:

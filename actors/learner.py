@@ -37,11 +37,11 @@ class LearnerCore:
     """Ray-free learner state (used by the actor and directly by tests)."""
 
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
-                 dtype: str = "float32", deepspeed=None) -> None:
+                 dtype: str = "auto", deepspeed=None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.model = MultiLoraModel(load_base_model(model_path, getattr(torch, dtype), default_device()), spec, n_slots)
+        self.model = MultiLoraModel(load_base_model(model_path, dtype, default_device()), spec, n_slots)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if deepspeed is None:
             self.trainer = PolicyTrainer(self.model, settings, pad_id)
@@ -102,7 +102,7 @@ class LearnerCore:
 @ray.remote(max_restarts=2)
 class Learner:
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
-                 dtype: str = "float32", threads: int = 0, deepspeed=None) -> None:
+                 dtype: str = "auto", threads: int = 0, deepspeed=None) -> None:
         self.incarnation = uuid.uuid4().hex
         if threads:
             torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """Seconds per evolution child, for every operator, at SmolLM2-135M and 7B adapter shapes.
 
-    python -m bench.evolution [--quick]
+    python -m bench.evolution [--quick | --smoke]
 
 Reference measured in the same run: materialising every ``dW = B @ A`` of one adapter
 (one pair at a time, discarded), the cheapest thing an operator that works on full
@@ -134,8 +134,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions at 135M, 1 at 7B (default 5 and 3)")
     parser.add_argument("--skip-7b", action="store_true", help="only the 135M shapes")
+    parser.add_argument("--smoke", action="store_true", help="one rep at 135M only (tests: the bench still works)")
     args = parser.parse_args()
-    reps = {"135m": 3, "7b": 1} if args.quick else {"135m": 5, "7b": 3}
+    reps = {"135m": 1, "7b": 1} if args.smoke else {"135m": 3, "7b": 1} if args.quick else {"135m": 5, "7b": 3}
+    args.skip_7b = args.skip_7b or args.smoke
 
     warm = make_adapter("135m", seed=2)
     for name in OPERATORS:  # first calls pay for lazy init (LAPACK, allocator); keep them out of the timings
@@ -155,7 +157,7 @@ def main() -> None:
         print(f"{name:<18}" + "".join(f"{seconds[name][s]:>12.4f}{seconds[name][s] / reference[s]:>12.3f}" for s in sizes))
     print(f"{'reference B@A':<18}" + "".join(f"{reference[s]:>12.4f}{1.0:>12.3f}" for s in sizes))
 
-    retention = retention_on_tiny_model()
+    retention = retention_on_tiny_model(4 if args.smoke else 12)
     print("retention (tiny model, 1 = predicts like its parent, 0 = like the bare base):")
     for name in OPERATORS:
         print(f"  {name:<18}{retention[name]:>8.3f}")
@@ -175,6 +177,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "retention": {k: v for k, v in retention.items() if not k.startswith("_")},
         "retention_base_agreement": retention["_base_agreement_with_parent"],
+        "smoke": args.smoke,
         "retention_note": "tiny model, greedy next-token agreement with the first parent, normalised so the "
                           "bare base scores 0 (see retention_on_tiny_model)",
     }

@@ -1,6 +1,6 @@
 """Population overhead of the learner: one update of 8 adapters vs 1 at equal total tokens.
 
-    python -m bench.learner [--quick]
+    python -m bench.learner [--quick | --smoke]
 
 Two `PolicyTrainer`s on SmolLM2-135M-Instruct (rank-16 adapters on every projection):
 one holds 8 adapters and gets a batch whose rows cycle through all 8, the other holds
@@ -35,10 +35,13 @@ RANK, ALPHA = 16, 32.0
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_trainer(base: torch.nn.Module, n_adapters: int, micro_batch: int) -> PolicyTrainer:
+def make_trainer(base: torch.nn.Module, n_adapters: int, micro_batch: int, shapes: str | None = "135m") -> PolicyTrainer:
+    """`shapes`: adapters from `bench.evolution.make_adapter` of that size, or None for
+    PEFT-initialised ones (any model)."""
     model = MultiLoraModel(copy.deepcopy(base), LoraSpec(RANK, ALPHA, MODULES), n_adapters)
     for i in range(n_adapters):
-        model.add_adapter(f"a{i}", make_adapter("135m", seed=i, rank=RANK))
+        model.add_adapter(f"a{i}", make_adapter(shapes, seed=i, rank=RANK) if shapes else None,
+                          generator=torch.Generator().manual_seed(i))
     trainer = PolicyTrainer(model, TrainerSettings(lr=1e-5, micro_batch=micro_batch), pad_id=0)
     for i in range(n_adapters):
         trainer.reset_optimizer(f"a{i}")
@@ -65,15 +68,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, OpenMP threads that outnumber "
                              "free cores spin at every barrier and times collapse, measured 10x+)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, 8 short rollouts, 1 rep "
+                                                             "(tests: the bench still works)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    count, prompt_len, completion_len, reps = (16, 32, 32, 2) if args.quick else (32, 64, 64, 3)
+    count, prompt_len, completion_len, reps = ((8, 8, 8, 1) if args.smoke else (16, 32, 32, 2) if args.quick
+                                               else (32, 64, 64, 3))
     micro_batch = 8
 
     from multilora.embedded import prepare
 
-    base = load_base_model(str(prepare("smollm2-135m-instruct")))
-    trainers = {8: make_trainer(base, 8, micro_batch), 1: make_trainer(base, 1, micro_batch)}
+    model_name = "tiny-llama" if args.smoke else "smollm2-135m-instruct"
+    shapes = None if args.smoke else "135m"
+    base = load_base_model(str(prepare(model_name)))
+    trainers = {8: make_trainer(base, 8, micro_batch, shapes), 1: make_trainer(base, 1, micro_batch, shapes)}
     del base
     batches = {n: make_samples(count, prompt_len, completion_len, n, seed=0) for n in trainers}
     assert [s.prompt_ids + s.completion_ids for s in batches[8]] == \
@@ -95,7 +103,7 @@ def main() -> None:
     median = {n: statistics.median(v) for n, v in seconds.items()}
     ratio = median[8] / median[1]
 
-    print(f"learner update, smollm2-135m-instruct, rank {RANK}, {count} rollouts, {tokens} tokens, "
+    print(f"learner update, {model_name}, rank {RANK}, {count} rollouts, {tokens} tokens, "
           f"micro-batch {micro_batch}, torch threads {torch.get_num_threads()}, reps {reps}")
     for n in (1, 8):
         print(f"{n} adapter(s): median {median[n]:.2f} s   reps " + " ".join(f"{s:.2f}" for s in seconds[n]))
@@ -111,6 +119,8 @@ def main() -> None:
         "rank": RANK,
         "reps": reps,
         "torch_threads": torch.get_num_threads(),
+        "model": model_name,
+        "smoke": args.smoke,
     }
     write_result("learner", result)
 

@@ -1,6 +1,6 @@
 """Resident memory of the inference engine and the learner with 1, 8 and 16 adapters.
 
-    python -m bench.memory [--quick]
+    python -m bench.memory [--quick | --smoke]
 
 Each figure comes from a fresh subprocess holding SmolLM2-135M-Instruct with N rank-16
 adapters on every projection (N = 1, 8, 16):
@@ -49,7 +49,7 @@ def _settle() -> None:
         pass
 
 
-def child(kind: str, n: int) -> dict[str, float]:
+def child(kind: str, n: int, model_name: str = "smollm2-135m-instruct") -> dict[str, float]:
     """Build one engine in this (fresh) process and measure it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -60,7 +60,7 @@ def child(kind: str, n: int) -> dict[str, float]:
     from multilora.model import LoraSpec
     from multilora.trainer import TrainerSettings, TrainSample
 
-    path = str(prepare("smollm2-135m-instruct"))
+    path = str(prepare(model_name))
     spec = LoraSpec(RANK, ALPHA, MODULES)
     names = [f"m{i}" for i in range(n)]
     adapter_bytes = 0
@@ -99,30 +99,35 @@ def _adapter_shapes(model) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="same measurement (each figure is one process)")
-    parser.add_argument("--child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 and 2 adapters "
+                                                             "(tests: the bench still works)")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "N", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.child[2])))
         return
 
+    model_name = "tiny-llama" if args.smoke else "smollm2-135m-instruct"
+    counts = (1, 2) if args.smoke else COUNTS
     figures: dict[str, dict[int, dict[str, float]]] = {"inference": {}, "learner": {}}
-    for n in COUNTS:  # interleaved kinds, each figure in a fresh process
+    for n in counts:  # interleaved kinds, each figure in a fresh process
         for kind in figures:
-            proc = subprocess.run([sys.executable, "-m", "bench.memory", "--child", kind, str(n)],
+            proc = subprocess.run([sys.executable, "-m", "bench.memory", "--child", kind, str(n), model_name],
                                   capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise SystemExit(f"bench.memory child {kind} {n} failed:\n{proc.stderr[-2000:]}")
             figures[kind][n] = json.loads(proc.stdout.strip().splitlines()[-1])
     size = figures["inference"][1]["adapter_mb"]
-    result: dict[str, object] = {"adapter_mb": size, "target_extra_x_adapter": TARGET_X_ADAPTER}
-    print(f"resident memory, smollm2-135m-instruct, rank {RANK}, adapter {size:.1f} MB")
-    print(f"{'':<10}" + "".join(f"{f'rss {n}':>10}" for n in COUNTS) + f"{'extra/adapter':>15}{'x adapter':>11}")
+    result: dict[str, object] = {"adapter_mb": size, "target_extra_x_adapter": TARGET_X_ADAPTER,
+                                 "model": model_name, "smoke": args.smoke}
+    print(f"resident memory, {model_name}, rank {RANK}, adapter {size:.1f} MB")
+    print(f"{'':<10}" + "".join(f"{f'rss {n}':>10}" for n in counts) + f"{'extra/adapter':>15}{'x adapter':>11}")
     for kind, rows in figures.items():
-        extra = (rows[COUNTS[-1]]["rss_mb"] - rows[COUNTS[0]]["rss_mb"]) / (COUNTS[-1] - COUNTS[0])
-        result[kind] = {**{f"rss_mb_{n}": rows[n]["rss_mb"] for n in COUNTS},
-                        **{f"peak_mb_{n}": rows[n]["peak_mb"] for n in COUNTS},
+        extra = (rows[counts[-1]]["rss_mb"] - rows[counts[0]]["rss_mb"]) / (counts[-1] - counts[0])
+        result[kind] = {**{f"rss_mb_{n}": rows[n]["rss_mb"] for n in counts},
+                        **{f"peak_mb_{n}": rows[n]["peak_mb"] for n in counts},
                         "extra_mb_per_adapter": extra, "extra_x_adapter": extra / size}
-        print(f"{kind:<10}" + "".join(f"{rows[n]['rss_mb']:>10.0f}" for n in COUNTS)
+        print(f"{kind:<10}" + "".join(f"{rows[n]['rss_mb']:>10.0f}" for n in counts)
               + f"{extra:>15.1f}{extra / size:>11.2f}")
     write_result("memory", result)
 

@@ -55,9 +55,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 seeds x 100 steps (default 5 x 400)")
     parser.add_argument("--min-games", type=int, nargs="+", default=[0, 40, 120],
                         help="population.min_games values to compare (0: no protection)")
+    parser.add_argument("--smoke", action="store_true", help="1 seed x 20 steps (tests: the bench still works)")
     args = parser.parse_args()
-    seeds, steps = (2, 100) if args.quick else (5, 400)
-    result: dict = {"seeds": seeds, "steps": steps, "settings": {}}
+    seeds, steps = (1, 20) if args.smoke else (2, 100) if args.quick else (5, 400)
+    result: dict = {"seeds": seeds, "steps": steps, "settings": {}, "smoke": args.smoke}
     print(f"fair-coin games, {seeds} seeds x {steps} steps; 'previous child' = share of replacements that "
           "removed the child born at the previous evolution step")
     print(f"{'setting':>15} {'min_games':>9} {'previous child':>15} {'chance':>7} {'replacements':>13}")

@@ -1,6 +1,6 @@
 """Adapter sync latency, learner -> Ray object store -> inference server, per adapter.
 
-    python -m bench.sync [--quick]
+    python -m bench.sync [--quick | --smoke]
 
 The real path in an embedded `ray.init`: a `Learner` actor and an "hf" `InferenceServer`
 actor on SmolLM2-135M-Instruct, 8 rank-16 adapters on every projection. One sync is
@@ -61,8 +61,9 @@ def inprocess_seconds(model_path: str, names: list[str], reps: int) -> tuple[lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 timed syncs (default 11)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, 2 syncs (tests: the bench still works)")
     args = parser.parse_args()
-    reps = 5 if args.quick else 11
+    reps = 2 if args.smoke else 5 if args.quick else 11
 
     import ray
 
@@ -71,7 +72,8 @@ def main() -> None:
     from multilora.embedded import prepare
     from multilora.trainer import TrainerSettings
 
-    model_path = str(prepare("smollm2-135m-instruct"))
+    model_name = "tiny-llama" if args.smoke else "smollm2-135m-instruct"
+    model_path = str(prepare(model_name))
     names = [f"member-{i}" for i in range(ADAPTERS)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}})
@@ -103,7 +105,7 @@ def main() -> None:
     dict_per_adapter = statistics.median(dict_times) * 1000 / ADAPTERS
     inprocess = statistics.median(local_times) * 1000 / ADAPTERS
     export_only = statistics.median(export_times) * 1000 / ADAPTERS
-    print(f"adapter sync, smollm2-135m-instruct, rank {RANK}, {ADAPTERS} adapters of {size:.1f} MB, reps {reps}")
+    print(f"adapter sync, {model_name}, rank {RANK}, {ADAPTERS} adapters of {size:.1f} MB, reps {reps}")
     print(f"learner -> object store -> server: {per_adapter:.1f} ms per adapter "
           f"(all reps, ms per sync: {' '.join(f'{t * 1000:.0f}' for t in actor_times)})")
     print(f"  of which export + put in the learner actor: {export_only:.1f} ms per adapter")
@@ -121,6 +123,8 @@ def main() -> None:
         "rank": RANK,
         "reps": reps,
         "sync_seconds": actor_times,
+        "model": model_name,
+        "smoke": args.smoke,
         "inprocess_seconds": local_times,
         "path": "Learner.export_packed -> ObjectRef -> InferenceServer.sync_packed (hf), no disk, "
                 "not through the driver",

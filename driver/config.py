@@ -70,6 +70,9 @@ class PopulationConfig:
     # evolution steps (configs/local.yaml) the role waits while the child rates lowest. Effect:
     # python -m bench.selection (fair-coin games; share of replacements removing the last child).
     min_games: int = 100
+    # lineage rows follow each child's reward over this many updates against its parent's at
+    # birth (the paper: a child recovers its parent's reward within about 10-20 updates)
+    recovery_updates: int = 20
 
 
 @dataclass
@@ -87,6 +90,9 @@ class TasksConfig:
     buffer_size: int = 256
     answer_prefix: bool = True  # start each reply inside its <answer> block (see prompts.answer_prefix)
     require_answer_close: bool = True  # false: an unclosed last <answer> block ends with the reply
+    # a <think> section before every answer, as in AZR (prompts ask for it, its tokens are
+    # trained, the answer is read after </think>); off where the token budget is tight
+    reasoning: bool = False
 
 
 @dataclass
@@ -131,6 +137,14 @@ class RayConfig:
 
 
 @dataclass
+class LoggingConfig:
+    tensorboard: bool = False  # event files under runs/<name>/tensorboard/, the metrics.parquet scalars
+    wandb: bool = False  # Weights & Biases (optional extra `populora[wandb]`), files under runs/<name>/wandb/
+    wandb_project: str = "populora"
+    wandb_mode: str = "offline"  # "online" sends the run to the W&B server the user is logged in to
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -141,6 +155,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,6 +167,7 @@ _CHOICES = {
     "inference.backend": ("hf", "vllm"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "learner.strategy": ("torch", "deepspeed"),
+    "logging.wandb_mode": ("offline", "online"),
 }
 _TASK_TYPES = ("code_i", "code_o", "code_f")
 _EVOLUTION_OPERATORS = ("gaussian", "singular_value", "subspace_rotation", "layer_swap", "module_swap", "svd_merge")
@@ -230,7 +246,8 @@ def _validate(cfg: Config) -> None:
     for key in ("run.steps", "lora.rank", "tasks.proposals_per_type", "tasks.rollouts", "tasks.induction_inputs",
                 "tasks.propose_max_new_tokens", "tasks.solve_max_new_tokens", "verifier.min_workers",
                 "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb", "learner.lr",
-                "learner.micro_batch", "learner.epochs", "inference.max_batch", "tasks.buffer_size"):
+                "learner.micro_batch", "learner.epochs", "inference.max_batch", "tasks.buffer_size",
+                "population.recovery_updates"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     if cfg.verifier.max_workers < cfg.verifier.min_workers:
@@ -266,6 +283,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"population.operators.{name}: weight must be >= 0, got {weight!r}")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name: must be a non-empty name without '/', got {cfg.run.name!r}")
+    if cfg.logging.wandb and not cfg.logging.wandb_project.strip():
+        raise ConfigError("logging.wandb_project: must be a non-empty name")
     _validate_model_path(cfg.model.path)
 
 

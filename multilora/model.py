@@ -38,9 +38,51 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_base_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    """Load a local HF causal LM (no hub access), frozen, in eval mode, on `device`."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# CPU flags of hardware bf16 matmuls: AMX tiles (Sapphire Rapids+) or AVX512-BF16 dot
+# products (Cooper Lake, Zen 4+). Without them oneDNN emulates bf16 and fp32 is faster.
+BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def bf16_is_fast(device: str) -> bool:
+    """Whether `device` multiplies bf16 in hardware: a GPU with bf16 support, or a CPU with
+    AMX-BF16 or AVX512-BF16."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(BF16_CPU_FLAGS & cpu_flags())
+
+
+def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
+    """`model.dtype` as a torch dtype; "auto" is bf16 where `device` (default: this process's)
+    has hardware bf16 (`bf16_is_fast`), else fp32. LoRA factors stay fp32 either way
+    (`multilora.layer`). Measured on the 2-core AVX512-BF16 EPYC (bench.multilora): plain
+    transformers generation 1.9x faster in bf16 than fp32."""
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_fast(device or default_device()) else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def load_base_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> nn.Module:
+    """Load a local HF causal LM (no hub access), frozen, in eval mode, on `device`, in
+    `dtype` (a torch dtype or a `model.dtype` name such as "auto", see `resolve_dtype`)."""
     from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, device)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per load, per actor, is noise in job logs

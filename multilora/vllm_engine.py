@@ -27,7 +27,8 @@ import torch
 
 from multilora.chat import ChatEngineMixin
 from multilora.generation import Completion, RequestOutput, SamplingParams
-from multilora.model import LoraSpec
+from multilora.reply_format import ReplyFormat, supplied_mask
+from multilora.model import LoraSpec, resolve_dtype
 from multilora.peft_io import save_adapter
 
 TMPFS = Path("/dev/shm")
@@ -72,7 +73,7 @@ def max_lora_rank(rank: int) -> int:
 class VLLMEngine(ChatEngineMixin):
     """Multi-LoRA generation on vLLM; see the module docstring."""
 
-    def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "float32",
+    def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "auto",
                  max_batch: int = 32, seed: int = 0, **engine_kwargs) -> None:
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -84,7 +85,8 @@ class VLLMEngine(ChatEngineMixin):
         from vllm import LLM
 
         self.model_path = model_path
-        self.dtype = getattr(torch, dtype)
+        self.dtype = resolve_dtype(dtype)  # "auto": bf16 where the hardware has it (as ours)
+        dtype = str(self.dtype).removeprefix("torch.")
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.generator = torch.Generator().manual_seed(seed)
@@ -147,11 +149,17 @@ class VLLMEngine(ChatEngineMixin):
     # ---- generation -------------------------------------------------------------------
     def _sampling(self, params: SamplingParams):
         import vllm
+        from vllm.sampling_params import StructuredOutputsParams
 
+        fmt = params.reply_format
         return vllm.SamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
             stop=list(params.stop), include_stop_str_in_output=True,
             ignore_eos=getattr(params, "ignore_eos", False),
+            # the reply format as a regular expression: vLLM forces its fixed text and
+            # forbids ending early (the hf engine supplies the same text in its decode loop)
+            structured_outputs=StructuredOutputsParams(regex=fmt.regex()) if fmt is not None else None,
+            logprobs=0,  # the sampled token's log-prob, from the raw logits (vLLM's default mode)
             # one seed per request from the engine's generator: a run replays exactly;
             # vLLM gives the n samples of a request the seeds seed, seed+1, ...
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)),
@@ -172,16 +180,21 @@ class VLLMEngine(ChatEngineMixin):
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
                                     [self._sampling(sp) for sp in params], lora_request=lora, use_tqdm=False)
         return [
-            RequestOutput(ids, tuple(self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)))
-            for ids, out in zip(prompt_ids, outputs)
+            RequestOutput(ids, tuple(self._completion(c, sp.reply_format)
+                                     for c in sorted(out.outputs, key=lambda c: c.index)))
+            for ids, out, sp in zip(prompt_ids, outputs, params)
         ]
 
-    def _completion(self, c) -> Completion:
+    def _completion(self, c, fmt: ReplyFormat | None = None) -> Completion:
         ids = tuple(int(t) for t in c.token_ids)
+        logprobs = tuple(float(step[t].logprob) for t, step in zip(ids, c.logprobs or ()))
         # Decoded from the ids like the hf backend (vLLM cuts its own text inside the token
         # that completes a stop string), so both backends give the same text for the same ids.
+        # The grammar forced the format's fixed text without marking it: found from the text.
         return Completion(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                          finish_reason=c.finish_reason or "length")
+                          finish_reason=c.finish_reason or "length",
+                          supplied=supplied_mask(self.tokenizer, ids, fmt) if fmt is not None else (),
+                          logprobs=logprobs if len(logprobs) == len(ids) else ())
 
     def close(self) -> None:
         """Delete this engine's tmpfs directory (also done when the engine is collected)."""

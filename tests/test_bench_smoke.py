@@ -1,7 +1,11 @@
-"""Every benchmark's CLI parses (nothing heavy runs: `--help` exits before any model loads)."""
+"""Every benchmark's CLI parses, and every benchmark runs end to end in its `--smoke` mode
+(tiny model, seconds) and writes the JSON keys its issues name, so `make bench` cannot
+break unnoticed."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +15,48 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["multilora", "learner", "sync", "memory"])
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+# keys each benchmark's JSON must carry (named in the issues; dashboards and reports read them)
+KEYS = {
+    "evolution": ["max_seconds_135m", "retention"],
+    "verifier": ["isolated_vs_bare_fork", "scaling_2_vs_1", "bare_scaling_2_vs_1"],
+    "multilora": ["ours_mixed8_vs_hf_bf16_none", "ours_mixed8_vs_peft_mixed8", "ours_mixed8_vs_ours_single",
+                  "greedy_agreement_with_fp32"],
+    "learner": ["step8_vs_step1"],
+    "sync": ["sync_ms_per_adapter"],
+    "memory": ["learner", "inference"],
+    "selection": ["settings"],
+    "gpu_check": ["step8_vs_step1", "mixed8_vs_bare_hf", "mixed8_vs_single", "lora_A_changed_fraction"],
+}
+
+
+def test_every_bench_has_its_keys_listed():
+    assert sorted(KEYS) == BENCHES, f"bench modules {BENCHES} vs smoke-tested {sorted(KEYS)}"
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_smoke_runs(name, tmp_path):
+    env = {**os.environ, "POPULORA_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"bench.{name} --smoke failed:\n{proc.stderr[-2000:]}"
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result.get("smoke") is True, f"bench.{name} --smoke did not mark its result as smoke"
+    missing = [k for k in KEYS[name] if result.get(k) is None]
+    assert not missing, f"bench.{name} JSON lacks {missing}; has {sorted(result)}"
+
+
+@pytest.mark.parametrize("workload", ["propose", "solve"])
+def test_multilora_workloads_smoke(workload, tmp_path):
+    env = {**os.environ, "POPULORA_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "bench.multilora", "--smoke", "--workload", workload], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"bench.multilora --workload {workload} failed:\n{proc.stderr[-2000:]}"
+    result = json.loads((tmp_path / f"multilora_{workload}.json").read_text())
+    assert result[f"{workload}_vs_hf_bf16"] is not None and result["every_row_made_all_tokens"], result
+
+
+@pytest.mark.parametrize("name", BENCHES)
 def test_bench_cli_help(name):
     proc = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
