@@ -107,10 +107,19 @@ class FormatCursor:
         self.done = False
 
     def model_text(self, text: str, encode) -> None:
-        """A sampled token's text; when it closes the section, queue the supplied text."""
+        """A sampled token's text; when it closes the section, queue the supplied text.
+
+        A token may run past the end ("```" + "\n"): when what it wrote past the end is
+        the start of the supplied text, only the rest is supplied (as a grammar would
+        force it); otherwise the whole supplied text follows."""
         self.content += text
-        if self.fmt.ends[self.section] in self.content:
+        end = self.fmt.ends[self.section]
+        at = self.content.find(end)
+        if at >= 0:
+            overrun = self.content[at + len(end):]
             supplied = self.fmt.supplied_after(self.section)
+            if supplied.startswith(overrun):
+                supplied = supplied[len(overrun):]
             self.section += 1
             self.content = ""
             self.pending = list(encode(supplied)) if supplied else []
@@ -131,10 +140,11 @@ class FormatCursor:
 def supplied_mask(tokenizer, token_ids: Sequence[int], fmt: ReplyFormat) -> tuple[bool, ...]:
     """Which completion tokens lie wholly inside the text the format supplies (joins and
     closing), found by walking the decoded text: for an engine that does not report them
-    (vLLM's structured outputs force those tokens without saying so)."""
+    (vLLM's structured outputs force those tokens without saying so). Tokens after a
+    complete format that add no text (the end-of-sequence a grammar forces) are supplied too."""
     pieces = [tokenizer.decode(list(token_ids[: i + 1]), skip_special_tokens=True) for i in range(len(token_ids))]
     text = pieces[-1] if pieces else ""
-    spans, pos = [], 0
+    spans, pos, complete = [], 0, False
     for i, end in enumerate(fmt.ends):
         at = text.find(end, pos)
         if at < 0:
@@ -144,9 +154,13 @@ def supplied_mask(tokenizer, token_ids: Sequence[int], fmt: ReplyFormat) -> tupl
         if supplied and text.startswith(supplied, pos):
             spans.append((pos, pos + len(supplied)))
             pos += len(supplied)
+        complete = i == len(fmt.ends) - 1 and (not supplied or bool(spans) and spans[-1][1] == pos)
     mask, start = [], 0
     for piece in pieces:
         stop = len(piece)
-        mask.append(stop > start and any(a <= start and stop <= b for a, b in spans))
+        if stop == start:
+            mask.append(complete and start >= pos)
+        else:
+            mask.append(any(a <= start and stop <= b for a, b in spans))
         start = stop
     return tuple(mask)

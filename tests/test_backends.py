@@ -131,6 +131,29 @@ def test_stop_string_ends_the_completion_and_stays_in_it(engine):
     assert len(stopped.token_ids) < len(full.token_ids)
 
 
+def test_reply_format_is_supplied_and_masked(engine):
+    """The generator supplies the format's fixed text once the model closes a section
+    (hf: in its decode loop; vllm: a structured-outputs regex): the same text on both
+    backends, the supplied tokens marked, the engine's log-probs reported per token."""
+    from multilora.reply_format import ReplyFormat
+
+    free = engine.generate(["a"], PROMPTS[:1], [SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                               ignore_eos=True)])[0].completions[0]
+    k = next(k for k in range(FIRST) if engine.tokenizer.decode(free.token_ids[k:k + 1]).strip()
+             and engine.tokenizer.decode(free.token_ids[k:k + 1])
+             not in engine.tokenizer.decode(free.token_ids[:k]))
+    end = engine.tokenizer.decode(free.token_ids[k:k + 1])
+    fmt = ReplyFormat("", (end,), closing="\n```\n</answer>")
+    got = engine.generate(["a"], PROMPTS[:1], [SamplingParams(temperature=0.0, max_new_tokens=24,
+                                                              reply_format=fmt)])[0].completions[0]
+    prefix = engine.tokenizer.decode(free.token_ids[:k + 1])
+    assert got.text == prefix + "\n```\n</answer>", got.text
+    assert got.token_ids[:k + 1] == free.token_ids[:k + 1]
+    n_supplied = len(got.token_ids) - (k + 1)
+    assert got.supplied == (False,) * (k + 1) + (True,) * n_supplied, got
+    assert len(got.logprobs) == len(got.token_ids) and all(lp <= 0.0 for lp in got.logprobs)
+
+
 def test_unknown_backend_is_a_clear_error(tiny_model_path):
     with pytest.raises(ValueError, match="inference.backend must be one of"):
         create_engine("tgi", tiny_model_path, SPEC, N_SLOTS)

@@ -111,3 +111,16 @@ def test_supplied_tokens_get_no_gradient_and_nothing_supplied_is_todays_update(m
     assert any(not torch.equal(today[k], before[k]) for k in today)
     all_supplied = _update(model, tokenizer, [TrainSample("a", (5, 6, 7), (8, 9, 10), 1.0, (True, True, True))])
     assert all(torch.equal(all_supplied[k], before[k]) for k in before), "supplied tokens were trained on"
+
+
+def test_a_token_running_past_the_end_into_the_supplied_text_is_not_supplied_twice():
+    from multilora.reply_format import FormatCursor
+
+    queued = {}
+    cursor = FormatCursor(TEACHER)
+    cursor.model_text("x):\n    return x\n", lambda t: queued.setdefault("text", t) and [0])
+    cursor.model_text("```\n", lambda t: queued.setdefault("text", t) and [1])
+    assert queued["text"] == "```input\n" and cursor.section == 1
+    cursor = FormatCursor(TEACHER)
+    cursor.model_text("x): return 1```python", lambda t: queued.__setitem__("other", t) or [2])
+    assert queued["other"] == "\n```input\n"  # not the supplied text's start: all of it follows
