@@ -1,0 +1,296 @@
+"""The GPU check: what a 7B population costs on one CUDA device, without Ray or vLLM.
+
+    python -m bench.gpu_check [--quick | --smoke]
+
+Needs only torch and transformers (plus this repository's Ray-free `multilora` library):
+it runs on a bare CUDA machine in a few minutes (budget: 8). The model is 7B-shaped
+(Qwen2.5-7B: 28 layers, hidden 3584, ffn 18944, 28 query / 4 key-value heads, vocabulary
+152064) with random bf16 weights built from a config in place on the GPU, so nothing is
+downloaded; 8 rank-16 adapters sit on every projection (random A, small random B, so each
+adapter moves the model). Random weights have no vocabulary: token ids are decoded as
+numbers and no stop string is used (every row makes exactly its token budget).
+
+Measured, in one process:
+- learner: one `PolicyTrainer.update` with the batch's rows cycling through 8 adapters vs
+  the same token ids all on one adapter (same model, same tokens; the order of the two
+  alternates rep by rep). Key step8_vs_step1 (DESIGN.md section 5: aim <= 1.10; the paper
+  reports 1.31x at 8 adapters).
+- generation: tokens/s of `multilora.generation.generate` with the 8 adapters mixed in one
+  batch vs the bare model (plain transformers `generate`, no LoRA layers at all: measured
+  before the adapters are attached) and vs our loop on the bare model and on one adapter.
+  Keys mixed8_vs_bare_hf, mixed8_vs_ours_none, mixed8_vs_single (aim >= 0.9).
+- peak GPU memory (`torch.cuda.max_memory_allocated`) of the model build, the generation
+  and the learner phases, in GiB.
+- the fp32-factor learning check (issue 12, item 1): fraction of one adapter's `lora_A`
+  entries that changed at all after 5 updates at lr 1e-6 on the bf16 base. With bf16
+  factors it was 0.3 % on the tiny model; float32 factors give ~100 %.
+`--smoke` runs all of it on the CPU with a tiny random Llama (seconds; figures
+meaningless), so a fast test keeps it working. Prints a table, then one JSON line, also
+written to ``bench/results/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+from bench import write_result
+from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.layer import Routing
+from multilora.model import LoraSpec, MultiLoraModel
+from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ADAPTERS, RANK, ALPHA = 8, 16, 32.0
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPES = {
+    # Qwen2.5-7B(-Coder): the paper's base model
+    "7b": dict(kind="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+               rope_theta=1_000_000.0, max_position_embeddings=32768),
+    "tiny": dict(kind="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, rope_theta=10_000.0,
+                 max_position_embeddings=1024),
+}
+# (rows, prompt tokens, completion tokens, micro-batch, reps) of a learner update;
+# (rows, prompt tokens, new tokens, reps) of a generation batch
+SIZES = {
+    "full": {"learner": (32, 256, 256, 4, 3), "generate": (32, 128, 128, 2)},
+    "quick": {"learner": (16, 128, 128, 4, 2), "generate": (16, 64, 64, 1)},
+    "smoke": {"learner": (8, 12, 12, 4, 1), "generate": (8, 8, 8, 1)},
+}
+PAD_ID, EOS_ID = 0, 1
+LEARNING_CHECK = {"updates": 5, "lr": 1e-6, "rows": 8}
+
+
+class IdTokenizer:
+    """What the generation loop needs from a tokenizer, for a model with random weights:
+    pad and eos ids, and a decoding (ids as numbers: there is no vocabulary to read)."""
+
+    pad_token_id, eos_token_id = PAD_ID, EOS_ID
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(t) for t in text.split()]
+
+
+class BareModel:
+    """The base model behind the generation loop's `route` interface, no LoRA layers."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        self.base, self.routing = base, Routing()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    @contextlib.contextmanager
+    def route(self, names):
+        yield
+
+    def __call__(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A random model of `shape`, built in place on `device` in `dtype` (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    spec = dict(SHAPES[shape])
+    kind = spec.pop("kind")
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(**spec, bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    previous = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def attach_adapters(base: torch.nn.Module) -> MultiLoraModel:
+    """8 rank-16 adapters on every projection: PEFT's A init, B ~ N(0, 0.01^2)."""
+    model = MultiLoraModel(base, LoraSpec(RANK, ALPHA, MODULES), ADAPTERS)
+    for i in range(ADAPTERS):
+        g = torch.Generator().manual_seed(i)
+        model.add_adapter(f"a{i}", generator=g)
+        state = {k: (v if "lora_A" in k else torch.randn(v.shape, generator=g) * 0.01)
+                 for k, v in model.export_adapter(f"a{i}").items()}
+        model.set_adapter(f"a{i}", state)
+    return model
+
+
+def random_ids(rows: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(2, vocab, (length,), generator=g).tolist()) for _ in range(rows)]
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def hf_generate(base: torch.nn.Module, prompts: list[tuple[int, ...]], new_tokens: int, device: str) -> None:
+    """Plain transformers `generate`, greedy, exactly `new_tokens` per row (equal-length prompts)."""
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        out = base.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+    assert out.shape[1] == ids.shape[1] + new_tokens, f"hf generate made {out.shape[1] - ids.shape[1]} tokens"
+
+
+def ours_generate(model, prompts: list[tuple[int, ...]], names: list[str], new_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    out = generate(model, IdTokenizer(), [GenerationRequest(n, p, params) for n, p in zip(names, prompts)],
+                   max_batch=len(prompts))
+    made = {len(o.completions[0].token_ids) for o in out}
+    assert made == {new_tokens}, f"rows made {made} tokens, expected {new_tokens}"
+
+
+def samples(rows: int, prompt_len: int, completion_len: int, adapters: int, vocab: int, seed: int) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, ids in enumerate(random_ids(rows, prompt_len + completion_len, vocab, seed)):
+        advantage = float(torch.randn((), generator=g)) or 1.0  # a zero advantage row would be skipped
+        out.append(TrainSample(f"a{i % adapters}", ids[:prompt_len], ids[prompt_len:], advantage))
+    return out
+
+
+def learner_check(model: MultiLoraModel, sizes: tuple, vocab: int, device: str) -> dict:
+    rows, prompt_len, completion_len, micro_batch, reps = sizes
+    trainer = PolicyTrainer(model, TrainerSettings(lr=1e-5, micro_batch=micro_batch), pad_id=PAD_ID)
+    batches = {n: samples(rows, prompt_len, completion_len, n, vocab, seed=0) for n in (8, 1)}
+    assert [s.prompt_ids + s.completion_ids for s in batches[8]] == \
+        [s.prompt_ids + s.completion_ids for s in batches[1]], "both runs must see the same tokens"
+    for n in (8, 1):  # first calls pay for lazy init and allocator growth
+        trainer.update(batches[n][:micro_batch])
+    seconds: dict[int, list[float]] = {8: [], 1: []}
+    for rep in range(reps):
+        for n in ((8, 1) if rep % 2 == 0 else (1, 8)):
+            seconds[n].append(timed(lambda: trainer.update(batches[n]), device))
+    median = {n: statistics.median(v) for n, v in seconds.items()}
+    return {"step8_vs_step1": median[8] / median[1], "seconds_8": seconds[8], "seconds_1": seconds[1],
+            "tokens": rows * (prompt_len + completion_len), "rows": rows, "micro_batch": micro_batch}
+
+
+def learning_check(model: MultiLoraModel, vocab: int, device: str) -> dict:
+    """Fraction of adapter a0's lora_A entries changed by 5 updates at lr 1e-6 (bf16 base)."""
+    c = LEARNING_CHECK
+    trainer = PolicyTrainer(model, TrainerSettings(lr=c["lr"], micro_batch=c["rows"]), pad_id=PAD_ID)
+    trainer.reset_optimizer("a0")
+    # adapter_parameters: [A, B] per layer
+    before = [p.detach().clone() for k, p in enumerate(model.adapter_parameters("a0")) if k % 2 == 0]
+    for update in range(c["updates"]):
+        trainer.update(samples(c["rows"], 16, 16, 1, vocab, seed=100 + update))
+    after = [p.detach() for k, p in enumerate(model.adapter_parameters("a0")) if k % 2 == 0]
+    changed = sum(int((a != b).sum()) for a, b in zip(after, before))
+    total = sum(b.numel() for b in before)
+    return {"lora_A_changed_fraction": changed / total, "factor_dtype": str(after[0].dtype).replace("torch.", ""),
+            **c}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller batches, fewer reps (GPU)")
+    mode.add_argument("--smoke", action="store_true", help="tiny random Llama on the CPU, seconds (tests)")
+    args = parser.parse_args()
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    shape, device = ("tiny", "cpu") if args.smoke else ("7b", "cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: this check needs a GPU (use --smoke for the CPU run)")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    vocab = SHAPES[shape]["vocab_size"]
+    result: dict = {"smoke": args.smoke, "size": size, "shape": shape, "device": device, "adapters": ADAPTERS,
+                    "rank": RANK, "base_dtype": "bfloat16",
+                    "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    peaks: dict[str, float | None] = {}
+
+    reset_peak(device)
+    base = build_model(shape, device, torch.bfloat16)
+    result["build_seconds"] = time.perf_counter() - start
+    result["parameters_billion"] = sum(p.numel() for p in base.parameters()) / 1e9
+    peaks["model"] = peak_gib(device)
+
+    rows, prompt_len, new_tokens, reps = SIZES[size]["generate"]
+    prompts = random_ids(rows, prompt_len, vocab, seed=1)
+    names = [f"a{i % ADAPTERS}" for i in range(rows)]
+    reset_peak(device)
+    runs = {"bare_hf": lambda: hf_generate(base, prompts, new_tokens, device),
+            "ours_none": lambda: ours_generate(BareModel(base), prompts, names, new_tokens)}
+    for run in runs.values():  # warm-up: kernels, allocator
+        run()
+    gen: dict[str, list[float]] = {k: [timed(v, device) for _ in range(reps)] for k, v in runs.items()}
+    model = attach_adapters(base)
+    more = {"ours_single": lambda: ours_generate(model, prompts, ["a0"] * rows, new_tokens),
+            "ours_mixed8": lambda: ours_generate(model, prompts, names, new_tokens)}
+    for run in more.values():
+        run()
+    for rep in range(reps):
+        for k in (list(more) if rep % 2 == 0 else list(reversed(list(more)))):
+            gen.setdefault(k, []).append(timed(more[k], device))
+    tokens_per_s = {k: rows * new_tokens / statistics.median(v) for k, v in gen.items()}
+    peaks["generation"] = peak_gib(device)
+    result["generation"] = {"tokens_per_s": tokens_per_s, "rows": rows, "prompt_tokens": prompt_len,
+                            "new_tokens": new_tokens, "reps": reps}
+    for ref in ("bare_hf", "ours_none", "single"):
+        key = ref if ref != "single" else "ours_single"
+        result[f"mixed8_vs_{ref}"] = tokens_per_s["ours_mixed8"] / tokens_per_s[key]
+
+    reset_peak(device)
+    result["learner"] = learner_check(model, SIZES[size]["learner"], vocab, device)
+    result["step8_vs_step1"] = result["learner"]["step8_vs_step1"]
+    peaks["learner"] = peak_gib(device)
+    result["learning_check"] = learning_check(model, vocab, device)
+    result["lora_A_changed_fraction"] = result["learning_check"]["lora_A_changed_fraction"]
+    result["peak_gib"] = peaks
+    result["peak_memory_gib"] = max((v for v in peaks.values() if v is not None), default=None)
+    result["seconds"] = time.perf_counter() - start
+
+    print(f"gpu check: {shape} ({result['parameters_billion']:.2f}B parameters, bf16 base, {ADAPTERS} rank-{RANK} "
+          f"adapters, fp32 factors) on {result['device_name']}, {size} sizes")
+    for k, v in tokens_per_s.items():
+        print(f"  generate {k:<12} {v:10.1f} tokens/s")
+    print(f"  mixed8 vs bare hf {result['mixed8_vs_bare_hf']:.3f}, vs ours none {result['mixed8_vs_ours_none']:.3f}, "
+          f"vs single {result['mixed8_vs_single']:.3f} (aim >= 0.9 vs single)")
+    print(f"  learner step 8 vs 1 adapters, {result['learner']['tokens']} tokens: {result['step8_vs_step1']:.3f} "
+          f"(aim <= 1.10)")
+    print(f"  lora_A entries changed after {LEARNING_CHECK['updates']} updates at lr {LEARNING_CHECK['lr']}: "
+          f"{result['lora_A_changed_fraction']:.4f}")
+    print(f"  peak GPU memory (GiB): {peaks}; whole check {result['seconds']:.0f} s")
+    write_result("gpu_check", result)
+
+
+if __name__ == "__main__":
+    main()
