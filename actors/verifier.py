@@ -46,6 +46,11 @@ class VerifierWorker:
         return "ok"
 
 
+# the pool's Ray metrics (exported as ray_<name>; grafana/populora-dashboard.json reads them)
+POOL_GAUGES = {"populora_verifier_pool_size": "VerifierWorker actors in the pool",
+               "populora_verifier_queue_depth": "verifier chunks waiting for a worker"}
+
+
 class _Gauges:
     """Pool size and queue depth as Ray metrics (no-op where metrics are unavailable)."""
 
@@ -53,10 +58,7 @@ class _Gauges:
         try:
             from ray.util.metrics import Gauge
 
-            self.size = Gauge("populora_verifier_pool_size",
-                              description="VerifierWorker actors in the pool")
-            self.queue = Gauge("populora_verifier_queue_depth",
-                               description="verifier chunks waiting for a worker")
+            self.size, self.queue = (Gauge(name, description=desc) for name, desc in POOL_GAUGES.items())
         except Exception:  # metrics are observability, never a reason to fail
             self.size = self.queue = None
 

@@ -16,7 +16,24 @@ MEMBER_GAUGES = {
     "populora_student_solve_rate": ("student/solve_rate", "fraction of a student's rollouts judged correct"),
     "populora_teacher_reward": ("teacher/reward", "mean teacher reward of a member's proposals"),
     "populora_teacher_valid_rate": ("teacher/valid_rate", "fraction of a teacher's proposals that were valid"),
+    "populora_signal_share": ("learner/signal_share",
+                              "fraction of a member's training rows with a non-zero advantage"),
 }
+# one value per step, the same in every member's row
+STEP_GAUGES = {
+    "populora_coverage": ("population/coverage", "distinct program ASTs among the valid programs teachers wrote"),
+}
+
+
+PHASE_GAUGE = "populora_phase_seconds"
+STEP_GAUGE = "populora_step"
+
+
+def exported_metrics() -> set[str]:
+    """Every Prometheus name a training run exports: Ray adds `ray_` to each gauge name."""
+    from actors.verifier import POOL_GAUGES
+
+    return {f"ray_{name}" for name in [*MEMBER_GAUGES, *STEP_GAUGES, PHASE_GAUGE, STEP_GAUGE, *POOL_GAUGES]}
 
 
 class Telemetry:
@@ -28,12 +45,13 @@ class Telemetry:
 
             self.member = {name: Gauge(name, description=desc, tag_keys=("member", "role"))
                            for name, (_, desc) in MEMBER_GAUGES.items()}
-            self.phase = Gauge("populora_phase_seconds", description="seconds spent in each phase of the last step",
+            self.phase = Gauge(PHASE_GAUGE, description="seconds spent in each phase of the last step",
                                tag_keys=("phase",))
-            self.step = Gauge("populora_step", description="last completed training step")
+            self.step = Gauge(STEP_GAUGE, description="last completed training step")
+            self.scalar = {name: Gauge(name, description=desc) for name, (_, desc) in STEP_GAUGES.items()}
         except Exception as e:  # observability must never stop training
             log.warning("Ray metrics unavailable (%s): the dashboard will lack training metrics", e)
-            self.member = {}
+            self.member, self.scalar = {}, {}
             self.phase = self.step = None
 
     def publish(self, step: int, rows: list[dict], seconds: dict[str, float]) -> None:
@@ -46,6 +64,10 @@ class Telemetry:
             for name, (column, _) in MEMBER_GAUGES.items():
                 if row.get(column) is not None:
                     self.member[name].set(float(row[column]), tags=tags)
+        for name, (column, _) in STEP_GAUGES.items():
+            value = next((row[column] for row in rows if row.get(column) is not None), None)
+            if value is not None:  # a column that this run's rows lack is left unset
+                self.scalar[name].set(float(value))
         for phase, value in seconds.items():
             self.phase.set(float(value), tags={"phase": phase})
         self.step.set(float(step))
