@@ -41,6 +41,7 @@ from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
 from driver.session import Actors, create_actors, start_ray, stop_actors
 from driver.telemetry import Telemetry
+from driver.trackers import Trackers
 from evolution.population import Replacement
 from multilora.generation import SamplingParams
 from multilora.peft_io import save_adapter
@@ -61,6 +62,7 @@ class StepContext:
     run: RunDir
     bar: tqdm
     telemetry: Telemetry = field(default_factory=Telemetry)
+    trackers: Trackers = field(default_factory=Trackers)  # logging.tensorboard / logging.wandb
     seconds: dict[str, float] = field(default_factory=dict)
     last: str = "valid=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
     low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
@@ -336,6 +338,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         })
     ctx.run.append("metrics", metrics)
     ctx.telemetry.publish(step, metrics, {**ctx.seconds, "step": times["time/step"]})
+    ctx.trackers.log(step, metrics)
     ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in teachers else "student", **r}
                                for m, r in ratings.items()])
     rates = {id(t): solve_rates[id(t)] for t in tasks}
@@ -464,13 +467,14 @@ def train(cfg: Config, resume: Path | None = None,
     runs after each completed step (after its checkpoint, if one is due).
     """
     run = RunDir.open(resume, cfg) if resume else RunDir.create(cfg)
+    trackers = Trackers.open(cfg, run.path)  # before Ray starts: a missing tracker package fails first
     owns_ray = not ray.is_initialized()
     start_ray(cfg)
     actors = create_actors(cfg)
     bar = tqdm(total=cfg.run.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)
 
     def make_ctx(buffer: TaskBuffer) -> StepContext:
-        return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar)
+        return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar, trackers=trackers)
 
     try:
         if resume:
@@ -520,6 +524,7 @@ def train(cfg: Config, resume: Path | None = None,
         bar.close()
         save_adapters(ctx)
     finally:
+        trackers.close()
         stop_actors(actors)
         if owns_ray:
             ray.shutdown()
