@@ -53,7 +53,7 @@ def previous_child_replaced(members: int, every: int, games: int, min_games: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds x 100 steps (default 5 x 400)")
-    parser.add_argument("--min-games", type=int, nargs="+", default=[0, 40, 120],
+    parser.add_argument("--min-games", type=int, nargs="+", default=[0, 100],
                         help="population.min_games values to compare (0: no protection)")
     parser.add_argument("--smoke", action="store_true", help="1 seed x 20 steps (tests: the bench still works)")
     args = parser.parse_args()

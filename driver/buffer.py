@@ -29,6 +29,18 @@ class TaskBuffer:
         idx = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
         return [pool[i] for i in idx]
 
+    def induction_sources(self) -> list[Task]:
+        """Programs a code_f task can be built on: the seeds and every valid code_i / code_o
+        task in the buffer (AZR draws code_f snippets from all its program datasets), so
+        induction tasks grow with the population's programs. Each has an example input."""
+        proposed = [t for task_type in ("code_i", "code_o") for t in self.proposed.get(task_type, ())]
+        return self.seeds.get("code_f", []) + proposed
+
+    def sample_induction(self, k: int, rng: np.random.Generator) -> list[Task]:
+        pool = self.induction_sources()
+        idx = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
+        return [pool[i] for i in idx]
+
     def __len__(self) -> int:
         return sum(len(v) for v in self.proposed.values())
 

@@ -2,6 +2,11 @@
 
 Nothing here evaluates model text: parsing is regular expressions plus `ast.parse`; the
 verifier decides validity and correctness in its sandbox.
+
+With `reasoning` (`tasks.reasoning`) a reply must close a `<think>` section first and only
+the text after the first `</think>` is read (AZR's format check, `<think>.*?</think>\s*
+<answer>.*?</answer>`, is non-greedy likewise): an `<answer>` drafted inside the reasoning
+never counts, and a reply that never leaves its reasoning is malformed.
 """
 
 from __future__ import annotations
@@ -17,18 +22,29 @@ _FENCE = re.compile(r"```([A-Za-z]*)[ \t]*\n?(.*?)```", re.DOTALL)
 _PROGRAM_TAGS = ("python", "py", "")
 
 
-def _answer_blocks(text: str, require_close: bool) -> list[str]:
+def after_reasoning(text: str) -> str | None:
+    """The reply after its first `</think>`, or None when the reasoning is never closed."""
+    head, sep, tail = text.partition("</think>")
+    return tail if sep else None
+
+
+def _answer_blocks(text: str, require_close: bool, reasoning: bool = False) -> list[str]:
+    if reasoning:
+        text = after_reasoning(text)
+        if text is None:
+            return []
     blocks = _ANSWER.findall(text)
     if not require_close and not blocks:
         blocks = _OPEN_ANSWER.findall(text)
     return blocks
 
 
-def extract_answer(text: str, require_close: bool = True) -> str | None:
+def extract_answer(text: str, require_close: bool = True, reasoning: bool = False) -> str | None:
     """The stripped content of the last complete `<answer>...</answer>` block, or None.
 
-    A single fenced block inside is unwrapped (```python ... ``` -> its code)."""
-    blocks = _answer_blocks(text, require_close)
+    A single fenced block inside is unwrapped (```python ... ``` -> its code). `reasoning`:
+    only blocks after the first `</think>` count."""
+    blocks = _answer_blocks(text, require_close, reasoning)
     if not blocks:
         return None
     body = blocks[-1].strip()
@@ -52,9 +68,13 @@ class ParsedProposal:
     error: str | None = None  # why the text is malformed, if it is
 
 
-def parse_proposal(task_type: str, text: str, induction_inputs: int = 4, require_close: bool = True) -> ParsedProposal:
-    """Pull the teacher's program/input (code_i, code_o) or inputs/message (code_f)."""
-    blocks = _answer_blocks(text, require_close)
+def parse_proposal(task_type: str, text: str, induction_inputs: int = 4, require_close: bool = True,
+                   reasoning: bool = False) -> ParsedProposal:
+    """Pull the teacher's program/input (code_i, code_o) or inputs/message (code_f);
+    `reasoning`: from the text after the first `</think>` only."""
+    if reasoning and after_reasoning(text) is None:
+        return ParsedProposal(error="malformed: no </think> closing the reasoning")
+    blocks = _answer_blocks(text, require_close, reasoning)
     if not blocks:
         return ParsedProposal(error="malformed: no <answer>...</answer> block")
     sections = fenced_sections(blocks[-1])

@@ -3,6 +3,13 @@
 Shortened from Absolute Zero Reasoner's templates (Zhao et al. 2025, `azr/data_construction/
 prompts.py`) for small models: the same roles and the same `<answer>` block with fenced
 ```python / ```input / ```output / ```message sections.
+
+With `reasoning` (`tasks.reasoning`), every prompt asks for a `<think>` section before the
+answer, as AZR's do (its chat template: the assistant "first thinks about the reasoning
+process ... enclosed within <think> </think>", its proposers "first devise a clear plan",
+its solvers "think step by step"); the reply then reads `<think> ... </think> <answer> ...
+</answer>`, the reasoning tokens are trained like the rest of the reply, and the answer is
+read only after `</think>` (`driver.extraction`).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from driver.records import Task
+from multilora.reply_format import ReplyFormat
 
 _RULES = (
     "Rules: define exactly one function named `f`; use only plain Python (no imports of os, sys, "
@@ -23,13 +31,38 @@ _GOAL = {
 }
 
 
+# What to think about first, in AZR's spirit (its proposer and solver instructions, our words)
+_THINK = {
+    "code_i": "plan a program whose input is hard to recover from its output: how it keeps state across "
+              "several steps, why it differs from the references, and which input you will give",
+    "code_o": "plan a program whose output takes many steps of careful tracing to predict: how it keeps "
+              "state across several steps, why it differs from the references, and which input you will give",
+    "code_f": "work out what the function does, then choose inputs that together cover its behaviour (so "
+              "that its code can be recovered from some of the pairs) and a message that helps without "
+              "giving the code away",
+    "solve_code_o": "trace the program on the input step by step, writing down the intermediate values",
+    "solve_code_i": "work backwards from the output: what must the input look like? Check your candidate "
+                    "by tracing the program forwards",
+    "solve_code_f": "go through the pairs one by one, guess the rule, and check it against every pair before "
+                    "you write the function",
+}
+
+
 def _fence(kind: str, text: str) -> str:
     return f"```{kind}\n{text.strip()}\n```"
 
 
-def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs: int = 4) -> str:
+def _think(key: str) -> str:
+    return f"First think inside <think> ... </think>: {_THINK[key]}. After </think>, give your reply."
+
+
+def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs: int = 4,
+                   reasoning: bool = False) -> str:
     """The teacher's request. code_i/code_o: write a new program and one input, given
-    reference tasks. code_f: write `induction_inputs` inputs and a hint for references[0]."""
+    reference tasks. code_f: write `induction_inputs` inputs and a hint for references[0].
+    `reasoning`: a `<think>` section first."""
+    think = [_think(task_type)] if reasoning else []
+    reply_think = ["<think>", "...", "</think>"] if reasoning else []
     if task_type == "code_f":
         ref = references[0]
         example = ref.inputs[0] if ref.inputs else (ref.input or "")
@@ -40,7 +73,9 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
             _fence("python", ref.program),
             "An example input (the text inside f(...)):",
             _fence("input", example),
+            *think,
             "Reply in exactly this format:",
+            *reply_think,
             "<answer>",
             *[_fence("input", "...") for _ in range(induction_inputs)],
             _fence("message", "one-line hint"),
@@ -57,7 +92,9 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
                   _fence("input", ref.input or (ref.inputs[0] if ref.inputs else "")), "</answer>"]
     parts += [
         "",
+        *think,
         "Reply in exactly this format (the input is the text inside f(...), Python literals separated by commas):",
+        *reply_think,
         "<answer>",
         _fence("python", "def f(...):\n    ..."),
         _fence("input", "..."),
@@ -66,33 +103,67 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
     return "\n".join(parts)
 
 
-def answer_prefix(role: str, task_type: str) -> str:
+def answer_prefix(role: str, task_type: str, reasoning: bool = False) -> str:
     """The start of the reply the model continues from when `tasks.answer_prefix` is on.
 
     A 135M model rarely opens the `<answer>` block by itself; starting the reply inside it
     (a response prefix, as TinyZero does with `<think>`) leaves the format still to be
     closed correctly, and the prefix is part of the prompt, so it is never trained on.
+    With `reasoning` the reply starts inside its `<think>` section instead (AZR's template
+    ends with "Assistant: <think>").
     """
+    if reasoning:
+        return "<think>\n"
     if role == "teacher":
         return "<answer>\n```input\n" if task_type == "code_f" else "<answer>\n```python\ndef f("
     return "<answer>\n```python\ndef f(" if task_type == "code_f" else "<answer>"
 
 
-def student_prompt(task: Task) -> str:
-    """The student's request for a valid task (held-out code_f pairs are not shown)."""
+def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning: bool = False) -> ReplyFormat:
+    """The reply format whose fixed text the generator supplies (`tasks.constrained_format`):
+    the model writes only the contents (`multilora.reply_format`). Its opening is the reply
+    prefix (the `answer_prefix` of the same role and type), in the prompt.
+
+    teacher code_i/code_o: <answer>\n```python\ndef f( PROGRAM ``` \n```input\n INPUT ``` \n</answer>
+    teacher code_f:        <answer>\n```input\n INPUT ``` (x induction_inputs) \n```message\n MESSAGE ``` \n</answer>
+    student code_i/code_o: <answer> ANSWER </answer>
+    student code_f:        <answer>\n```python\ndef f( PROGRAM ``` \n</answer>
+    `reasoning`: <think>\n REASONING </think> first, then the same with a newline before <answer>.
+    """
+    if role == "teacher" and task_type == "code_f":
+        leads = ["<answer>\n```input\n"] + ["\n```input\n"] * (induction_inputs - 1) + ["\n```message\n"]
+        ends, closing = ["```"] * (induction_inputs + 1), "\n</answer>"
+    elif role == "teacher" or task_type == "code_f":
+        leads = ["<answer>\n```python\ndef f("] + (["\n```input\n"] if role == "teacher" else [])
+        ends, closing = ["```"] * len(leads), "\n</answer>"
+    else:
+        leads, ends, closing = ["<answer>"], ["</answer>"], ""
+    if reasoning:
+        leads, ends = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends]
+    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing)
+
+
+def student_prompt(task: Task, reasoning: bool = False) -> str:
+    """The student's request for a valid task (held-out code_f pairs are not shown).
+    `reasoning`: a `<think>` section first."""
+    think = [_think(f"solve_{task.task_type}")] if reasoning else []
+    opening = "<think>...</think>" if reasoning else ""
     if task.task_type == "code_o":
         return "\n".join([
             "## Task: predict the output of `f` on the given input.",
             _fence("python", task.program),
             _fence("input", task.input or ""),
-            "Reply with the return value as a Python literal: <answer>value</answer>",
+            *think,
+            f"Reply with the return value as a Python literal: {opening}<answer>value</answer>",
         ])
     if task.task_type == "code_i":
         return "\n".join([
             "## Task: find an input for which `f` returns the given output.",
             _fence("python", task.program),
             _fence("output", task.output or ""),
-            "Reply with the arguments of f as Python literals separated by commas: <answer>arguments</answer>",
+            *think,
+            f"Reply with the arguments of f as Python literals separated by commas: "
+            f"{opening}<answer>arguments</answer>",
         ])
     pairs = []
     for inp, out in zip(task.inputs[: task.shown], task.outputs[: task.shown]):
@@ -101,7 +172,9 @@ def student_prompt(task: Task) -> str:
         "## Task: write the Python function `f` that maps each input to its output.",
         *pairs,
         f"Hint: {task.message.strip() or '(none)'}",
+        *think,
         "Reply in this format:",
+        *(["<think>", "...", "</think>"] if reasoning else []),
         "<answer>",
         _fence("python", "def f(...):\n    ..."),
         "</answer>",

@@ -41,6 +41,10 @@ class Proposal:
     valid: bool
     reason: str | None
     task: Task | None
+    # where the program came from: "proposal" (written by a teacher: this one, or for code_f an
+    # earlier valid code_i / code_o proposal) or "seed" (a code_f task on a seed program)
+    source: str = "proposal"
+    supplied: tuple[bool, ...] = ()  # completion tokens the reply format supplied (not trained on)
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,4 @@ class Rollout:
     correct: bool
     malformed: bool
     reward: float
+    supplied: tuple[bool, ...] = ()  # completion tokens the reply format supplied (not trained on)

@@ -30,6 +30,9 @@ PHASES = ("match", "propose", "solve", "update", "evolve")
 COMPLEXITY = (("ast_depth", "AST depth", "levels"), ("cyclomatic", "Cyclomatic complexity", "paths"),
               ("loc", "Program length", "lines"), ("n_variables", "Variables", "distinct names"))
 ROLE_NAMES = {"teacher": "teachers", "student": "students", "agent": "agent"}
+TASK_TYPES = ("code_i", "code_o", "code_f")
+TASK_TYPE_COLORS = {(0, "code_i"): "#1f77b4", (0, "code_o"): "#d62728", (0, "code_f"): "#2ca02c",
+                    (1, "code_i"): "#9467bd", (1, "code_o"): "#ff7f0e", (1, "code_f"): "#8c564b"}
 # one colour per (run, role); the compared run is also dashed, so print in grey still works
 COLORS = {(0, "teacher"): "#1f77b4", (0, "student"): "#d62728", (0, "agent"): "#17becf", (0, None): "#1f77b4",
           (1, "teacher"): "#9467bd", (1, "student"): "#ff7f0e", (1, "agent"): "#2ca02c", (1, None): "#ff7f0e"}
@@ -173,18 +176,49 @@ def metric_figure(runs: list[RunData], key: str, title: str, ylabel: str,
     return fig
 
 
+def written_tasks(run: RunData) -> list[dict]:
+    """Valid tasks whose program a teacher wrote: seed programs (code_f on a seed) are left out.
+
+    Runs written before the `program_source` column: their code_f programs were always seeds."""
+    return [t for t in run.tasks if t.get("valid")
+            and (t.get("program_source") or ("seed" if t.get("task_type") == "code_f" else "proposal")) != "seed"]
+
+
 def complexity_figure(runs: list[RunData]) -> Figure:
-    """Mean complexity of the valid tasks proposed per step (band = 1 sd over tasks)."""
-    fig = Figure(figsize=(12, 8))
+    """Mean complexity of the valid programs per step and task type (band = 1 sd over tasks),
+    seed programs excluded: a code_f task on a seed says nothing about what teachers write."""
+    fig = Figure(figsize=(13, 8.5))
     axes = fig.subplots(2, 2)
     for ax, (key, title, unit) in zip(axes.flat, COMPLEXITY):
         for i, run in enumerate(runs):
-            series = per_step([t for t in run.tasks if t.get("valid")], key)
-            if series is not None:
-                _draw(ax, series, COLORS[(i, None)], i > 0, f"{run.name} (mean ± 1 sd over valid tasks)")
+            rows = written_tasks(run)
+            for task_type in TASK_TYPES:
+                series = per_step([t for t in rows if t.get("task_type") == task_type], key)
+                if series is not None:
+                    _draw(ax, series, TASK_TYPE_COLORS[(i, task_type)], i > 0, f"{run.name}: {task_type}")
         _finish(ax, title, unit, empty="no valid tasks" if any(run.tasks for run in runs) else "no data")
-    fig.suptitle("Complexity of valid proposed programs per step", fontsize=15)
+    fig.suptitle("Complexity of valid proposed programs per step and task type (mean ± 1 sd over tasks; "
+                 "seed programs excluded)", fontsize=14)
     fig.tight_layout()
+    return fig
+
+
+def coverage_figure(runs: list[RunData]) -> Figure:
+    """`population/coverage` per step: cumulative distinct ASTs (names and constants
+    abstracted) among the valid programs the teachers wrote, one line per run."""
+    fig = Figure(figsize=(9, 5))
+    ax = fig.add_subplot()
+    for i, run in enumerate(runs):
+        first: dict[int, float] = {}
+        for row in run.metrics:
+            value = row.get("population/coverage")
+            if row.get("step") is not None and isinstance(value, (int, float)):
+                first.setdefault(int(row["step"]), float(value))
+        if first:
+            steps = sorted(first)
+            _draw(ax, Series(steps, [first[k] for k in steps], [0.0] * len(steps), 1), COLORS[(i, None)], i > 0,
+                  f"{run.name}")
+    _finish(ax, "Coverage of the problem space", "distinct program ASTs (cumulative)")
     return fig
 
 
@@ -340,6 +374,39 @@ def lineage_figure(run: RunData, max_key_lines: int = 30) -> Figure:
     return fig
 
 
+def recovery_figure(run: RunData) -> Figure:
+    """Child reward minus its parent's reward at birth, per update since birth, by operator.
+
+    One panel per role; thin lines are single children, the thick line the operator's mean
+    over its children (lineage columns `parent_reward`, `child_rewards`; driver/recovery.py).
+    At or above 0 the child has recovered its parent's reward."""
+    fig = Figure(figsize=(13, 5))
+    axes = fig.subplots(1, 2)
+    for ax, role in zip(axes, ("teacher", "student")):
+        gaps: dict[str, list[list[float]]] = defaultdict(list)
+        for row in run.lineage:
+            parent, rewards = row.get("parent_reward"), row.get("child_rewards")
+            if row.get("role") != role or parent is None or not rewards:
+                continue
+            gap = [float(r) - float(parent) for r in rewards]
+            gaps[row.get("operator") or "?"].append(gap)
+        for operator, curves in sorted(gaps.items()):
+            color = OPERATOR_COLORS.get(operator, "0.3")
+            for gap in curves:
+                ax.plot(range(1, len(gap) + 1), gap, color=color, alpha=0.3, linewidth=1)
+            longest = max(len(g) for g in curves)
+            mean = [float(np.mean([g[k] for g in curves if len(g) > k])) for k in range(longest)]
+            ax.plot(range(1, longest + 1), mean, color=color, linewidth=2.5, marker="o", markersize=4,
+                    label=f"{operator} (mean of {len(curves)} child{'ren' if len(curves) > 1 else ''})")
+        if ax.has_data():
+            ax.axhline(0.0, color="0.3", linestyle=":", linewidth=1.2)
+        _finish(ax, f"{ROLE_NAMES[role].capitalize()}: recovery of the parent's reward",
+                "child reward − parent reward at birth", xlabel="updates since birth",
+                empty="no child has played yet" if run.lineage else "no replacements")
+    fig.tight_layout()
+    return fig
+
+
 # ---- tables ----------------------------------------------------------------------------
 def _fmt(value, digits: int = 3) -> str:
     if value is None:
@@ -406,10 +473,14 @@ def lineage_table(run: RunData) -> str:
         except (ValueError, AttributeError):
             params = str(params)
         replaced = f"{r.get('replaced')} ({_fmt(r.get('replaced_score'), 2)})"
+        played = len(r.get("child_rewards") or [])
+        recovered = "–" if r.get("parent_reward") is None else (
+            f"update {r['recovered_at']}" if r.get("recovered_at") is not None else f"not in {played} updates")
         rows.append([str(number), _fmt(r.get("step")), _fmt(r.get("role")), replaced, _fmt(r.get("child")),
-                     _fmt(r.get("operator")), params, parent_text, _fmt(r.get("seed"))])
+                     _fmt(r.get("operator")), params, parent_text, _fmt(r.get("retention"), 2),
+                     _fmt(r.get("parent_reward"), 2), recovered, _fmt(r.get("seed"))])
     header = ["#", "step", "role", "replaced (mu − 3σ)", "child", "operator", "params", "parents (mu − 3σ)",
-              "seed"]
+              "probe retention", "parent reward at birth", "recovered at", "seed"]
     return _table(header, rows)
 
 
@@ -494,11 +565,22 @@ FIGURES = (
      "A group (adapter, role, task type) whose rewards are all equal has zero advantage, so a step where every "
      "proposal is invalid, or every answer is wrong, teaches nothing. Below 10% for 3 steps the run warns."),
     ("complexity.png", "Program complexity",
-     "AST depth, cyclomatic complexity, lines and variables of the valid proposed programs, mean per step."),
+     "AST depth, cyclomatic complexity, lines and variables of the valid proposed programs, mean per step and "
+     "task type. Seed programs are left out (a code_f task on a seed program says nothing about what the "
+     "teachers write); code_f lines show the earlier proposals that induction tasks were built on."),
+    ("coverage.png", "Coverage",
+     "population/coverage: the cumulative number of distinct program ASTs (bound names and constants "
+     "abstracted, verifier_sandbox.ast_hash) among the valid code_i / code_o programs the teachers wrote. A "
+     "population whose problem space keeps expanding keeps this curve rising."),
     ("lineage.png", "Lineage of replacements",
      "One lane per population slot; each bar is the member holding it. A numbered star marks a replacement, "
      "coloured by the evolution operator; arrows run from the parents' lanes to the child. The numbers match "
      "the key beside the figure and the table below."),
+    ("recovery.png", "Recovery of the parent's reward",
+     "Capability retention as the paper checks it: each child's reward over its first updates minus its first "
+     "parent's reward at the birth step, per evolution operator (thin: one child; thick: the operator's mean). "
+     "A child that reaches 0 has recovered its parent's reward; the paper expects this within about 10–20 "
+     "updates. The lineage table's 'recovered at' column gives the update."),
     ("time.png", "Time per phase", "Mean wall-clock seconds per step in each of the five phases."),
 )
 
@@ -537,7 +619,9 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
             "signal_share.png": metric_figure(runs, "learner/signal_share", "Signal share",
                                               "rows with non-zero advantage (fraction)", bounds=(0.0, 1.0)),
             "complexity.png": complexity_figure(runs),
+            "coverage.png": coverage_figure(runs),
             "lineage.png": lineage_figure(main),
+            "recovery.png": recovery_figure(main),
             "time.png": time_figure(runs),
         }
         for name, fig in figures.items():

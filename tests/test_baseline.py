@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from driver.config import load_config
 from driver.loop import train
@@ -10,11 +11,17 @@ from driver.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_baseline_config_is_compute_matched_to_local():
-    local, base = load_config(ROOT / "configs/local.yaml"), load_config(ROOT / "configs/baseline-local.yaml")
+@pytest.mark.parametrize("population, baseline", [("local.yaml", "baseline-local.yaml"),
+                                                  ("cluster-7b.yaml", "baseline-cluster-7b.yaml")])
+def test_baseline_config_is_compute_matched(population, baseline):
+    # the cluster configs name a model directory that exists only on the GPU nodes
+    over = ["model.path=embedded:tiny-llama"] if "cluster" in population else []
+    local, base = load_config(ROOT / "configs" / population, over), load_config(ROOT / "configs" / baseline, over)
     assert base.population.mode == "single" and local.population.mode == "population"
     assert (base.tasks, base.run.steps, base.lora, base.learner) == (local.tasks, local.run.steps, local.lora,
                                                                      local.learner)
+    assert (base.model, base.inference) == (local.model, local.inference)
+    assert base.run.name != local.run.name and base.run.output_dir == local.run.output_dir
     # per adapter: a teacher proposes proposals_per_type x types; with as many teachers as
     # students each student is matched with one teacher, so it solves that many tasks too
     assert local.population.teachers == local.population.students

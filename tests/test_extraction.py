@@ -52,3 +52,15 @@ def test_open_answer_block_is_closed_by_the_end_only_when_allowed():
     assert extract_answer("<answer> [1, 2]", require_close=False) == "[1, 2]"
     assert extract_answer("<answer>1</answer> <answer>2", require_close=False) == "1"  # a closed block wins
     assert extract_answer("no block", require_close=False) is None
+
+
+def test_reasoning_answers_are_read_after_the_think_section_only():
+    reply = "<think>maybe <answer>1</answer>? no, trace again</think>\n<answer>2</answer>"
+    assert extract_answer(reply, reasoning=True) == "2"
+    assert extract_answer("<think>still thinking <answer>1</answer>", reasoning=True) is None
+    assert extract_answer("<think>x</think><answer>1", require_close=False, reasoning=True) == "1"
+    assert extract_answer("<answer>2</answer>", reasoning=False) == "2"
+    p = parse_proposal("code_o", "<think>plan: sort, then slice</think>\n" + PROPOSAL, reasoning=True)
+    assert p.error is None and p.input == "[3, 1, 2], 2"
+    assert parse_proposal("code_o", "<think>" + PROPOSAL, reasoning=True).error == \
+        "malformed: no </think> closing the reasoning"

@@ -28,3 +28,16 @@ def test_answer_prefixes_parse_when_the_model_completes_them():
     assert extract_answer(answer_prefix("student", "code_o") + " [1, 2]</answer>") == "[1, 2]"
     code = extract_answer(answer_prefix("student", "code_f") + "x):\n    return x\n```\n</answer>")
     assert code == "def f(x):\n    return x"
+
+
+def test_reasoning_prompts_ask_for_a_think_section_first_and_the_prefix_opens_it():
+    task = Task("code_o", PROGRAM, input="[3, 1]", output="[1, 3]")
+    for text in (teacher_prompt("code_o", [task], reasoning=True), teacher_prompt("code_f", [task], reasoning=True),
+                 student_prompt(task, reasoning=True), student_prompt(Task("code_i", PROGRAM, input="[3, 1]",
+                                                                           output="[1, 3]"), reasoning=True)):
+        assert "<think>" in text and "</think>" in text and text.index("</think>") < text.rindex("<answer>")
+    assert "<think>" not in teacher_prompt("code_o", [task]) + student_prompt(task)
+    assert answer_prefix("student", "code_o", reasoning=True) == "<think>\n"
+    reply = answer_prefix("teacher", "code_o", reasoning=True) + "a list, sorted</think>\n<answer>\n```python\n" \
+        "def f(xs):\n    return xs[::-1]\n```\n```input\n[1, 2]\n```\n</answer>"
+    assert parse_proposal("code_o", reply, reasoning=True).input == "[1, 2]"

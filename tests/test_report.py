@@ -32,7 +32,7 @@ def metric_row(step: int, member: str, role: str, rng: np.random.Generator, aliv
         "learner/loss": float(rng.normal()), "learner/grad_norm": 1.0, "learner/update_norm": 0.01,
         "population/trueskill_mu": float(25 + rng.normal()) if alive and role != "agent" else (25.0 if alive else None),
         "population/trueskill_sigma": 8.0 if alive else None,
-        "population/conservative": 1.0 if alive else None,
+        "population/conservative": 1.0 if alive else None, "population/coverage": 2 * step,
         **times, "time/step": sum(times.values()),
     }
 
@@ -41,13 +41,15 @@ def task_rows(step: int, teacher: str, student: str, rng: np.random.Generator, n
     rows = []
     for i in range(n):
         valid = i != 0
+        task_type = ("code_i", "code_o", "code_f")[i % 3]
         rows.append({
-            "step": step, "teacher": teacher, "student": student, "task_type": "code_o", "valid": valid,
+            "step": step, "teacher": teacher, "student": student, "task_type": task_type, "valid": valid,
             "reason": None if valid else "syntax", "program": "def f(x):\n    return x", "input": "1",
             "output": "1" if valid else None, "inputs": [], "outputs": [], "message": "",
             "solve_rate": float(rng.uniform()) if valid else None, "teacher_reward": 0.5 if valid else -1.0,
             **{k: (int(rng.integers(1, 8)) if valid else None)
                for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
+            "ast_hash": f"{step:016x}", "program_source": "seed" if task_type == "code_f" and step % 2 else "proposal",
         })
     return rows
 
@@ -82,7 +84,8 @@ def population_run(path: Path, steps: int = 4) -> Path:
                      "conservative": 1.0} for m in teachers + students]
     lineage = [{"step": 2, "role": "teacher", "child": "teacher-2", "replaced": "teacher-0",
                 "parents": ["teacher-1"], "operator": "gaussian", "params": json.dumps({"scale": 0.1}),
-                "parent_scores": [3.2], "replaced_score": -1.5, "seed": 7}]
+                "parent_scores": [3.2], "replaced_score": -1.5, "seed": 7, "retention": 0.8,
+                "parent_reward": 0.3, "child_rewards": [-0.2, 0.1, 0.4], "recovered_at": 3}]
     return write_tables(path, {"metrics": metrics, "tasks": tasks, "ratings": ratings, "lineage": lineage})
 
 
@@ -120,6 +123,24 @@ def test_report_compares_with_the_baseline(tmp_path):
     text = check_report(write_report(run, compare=base, out=out))
     assert "pop vs single" in text, "the page names both runs"
     assert not (run / "report").exists(), "out= must be honoured"
+
+
+def test_complexity_leaves_seed_programs_out_and_old_runs_still_load(tmp_path):
+    from driver.report import written_tasks
+
+    run = load_run(population_run(tmp_path / "pop"))
+    kept = written_tasks(run)
+    assert kept and all(t["valid"] and t["program_source"] != "seed" for t in kept)
+    assert {t["task_type"] for t in kept} == {"code_o", "code_f"}, "code_f on earlier proposals stays in"
+    old = [{k: v for k, v in t.items() if k != "program_source"} for t in run.tasks]
+    legacy = load_run(population_run(tmp_path / "pop2"))
+    legacy = type(legacy)(legacy.name, legacy.path, legacy.metrics, old, legacy.lineage, legacy.config)
+    assert all(t["task_type"] != "code_f" for t in written_tasks(legacy)), "before the column, code_f meant a seed"
+
+
+def test_recovery_is_shown_in_the_lineage_table(tmp_path):
+    text = write_report(population_run(tmp_path / "pop")).read_text()
+    assert "recovered at" in text and "update 3" in text and "id='recovery'" in text and "id='coverage'" in text
 
 
 def test_lineage_lanes_follow_slots(tmp_path):
