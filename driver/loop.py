@@ -28,13 +28,13 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
-from driver import checkpoint
+from driver import checkpoint, recovery
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
 from driver.learning_signal import LowSignalWatch, SignalReport, signal_report
 from driver.logs import set_position
-from driver.prompts import answer_prefix, student_prompt, teacher_prompt
+from driver.prompts import answer_prefix, reply_format, student_prompt, teacher_prompt
 from driver.records import Proposal, Rollout, Task
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
@@ -46,7 +46,7 @@ from evolution.population import Replacement
 from multilora.generation import SamplingParams
 from multilora.peft_io import save_adapter
 from multilora.trainer import TrainSample
-from verifier_sandbox import complexity
+from verifier_sandbox import ast_hash, complexity
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class StepContext:
     last: str = "valid=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
     low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
     summaries: list[dict] = field(default_factory=list)  # record_step's summary of every step this process ran
+    coverage: set[str] = field(default_factory=set)  # ast_hash of every valid program the teachers wrote
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -113,18 +114,26 @@ def train_step(step: int, ctx: StepContext) -> dict[str, float]:
 
 
 # ---- phases ----------------------------------------------------------------------------
-def sampling(cfg: Config, role: str, greedy: bool = False) -> SamplingParams:
-    """The step's sampling settings for a role; `greedy` for the deterministic probes."""
+def sampling(cfg: Config, role: str, task_type: str, greedy: bool = False) -> tuple[SamplingParams, str]:
+    """The sampling settings of one request and the reply prefix that ends its prompt;
+    `greedy` for the deterministic probes. With `tasks.constrained_format` the generator
+    supplies the reply format (its opening is the prefix)."""
     t = cfg.tasks
-    return SamplingParams(temperature=0.0 if greedy else t.temperature, top_p=t.top_p, stop=("</answer>",),
-                          max_new_tokens=t.propose_max_new_tokens if role == "teacher" else t.solve_max_new_tokens,
-                          n=1 if greedy or role == "teacher" else t.rollouts)
+    fmt = reply_format(role, task_type, t.induction_inputs, t.reasoning) if t.constrained_format else None
+    params = SamplingParams(temperature=0.0 if greedy else t.temperature, top_p=t.top_p, stop=("</answer>",),
+                            max_new_tokens=t.propose_max_new_tokens if role == "teacher" else t.solve_max_new_tokens,
+                            n=1 if greedy or role == "teacher" else t.rollouts, reply_format=fmt)
+    prefix = fmt.opening if fmt is not None else (answer_prefix(role, task_type, t.reasoning) if t.answer_prefix
+                                                  else "")
+    return params, prefix
 
 
 def proposal_jobs(ctx: StepContext, teachers: list[str], rng: np.random.Generator) -> list[tuple]:
     """(teacher, task type, reference tasks): `proposals_per_type` of each type per teacher."""
     t = ctx.cfg.tasks
-    return [(teacher, task_type, ctx.buffer.sample(task_type, 1 if task_type == "code_f" else t.references, rng))
+    # code_f: the program comes from a valid code_i / code_o proposal or a seed, as in AZR
+    return [(teacher, task_type, ctx.buffer.sample_induction(1, rng) if task_type == "code_f"
+             else ctx.buffer.sample(task_type, t.references, rng))
             for teacher in teachers for task_type in t.types for _ in range(t.proposals_per_type)]
 
 
@@ -136,13 +145,12 @@ def propose(ctx: StepContext, teachers: list[str], step: int) -> list[Proposal]:
 def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = False) -> list[Proposal]:
     """One batched generation for all jobs (teachers mixed), parsing, then validation."""
     t = ctx.cfg.tasks
-    params = sampling(ctx.cfg, "teacher", greedy)
-    prompts = [teacher_prompt(tt, refs, t.induction_inputs) for _, tt, refs in jobs]
-    prefixes = [answer_prefix("teacher", tt) if t.answer_prefix else "" for _, tt, _ in jobs]
+    params, prefixes = zip(*[sampling(ctx.cfg, "teacher", tt, greedy) for _, tt, _ in jobs]) if jobs else ((), ())
+    prompts = [teacher_prompt(tt, refs, t.induction_inputs, t.reasoning) for _, tt, refs in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
-        [j[0] for j in jobs], prompts, [params] * len(jobs), prefixes))
-    parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close)
-              for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
+        [j[0] for j in jobs], prompts, list(params), list(prefixes)))
+    parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close,
+                             t.reasoning) for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
     requests, asked = [], []
     for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
         if p.error is not None:
@@ -167,8 +175,9 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
                 task = Task(task_type, program, input=p.input, output=v["output"], teacher=teacher, step=step)
         reason = p.error if p.error is not None else (None if valid else (v or {}).get("reason", "invalid"))
         c = out.completions[0]
+        source = ("seed" if refs[0].teacher == "seed" else "proposal") if task_type == "code_f" else "proposal"
         proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
-                                  tuple(p.inputs), p.message, valid, reason, task))
+                                  tuple(p.inputs), p.message, valid, reason, task, source, c.supplied))
     return proposals
 
 
@@ -177,14 +186,13 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
     if not tasks:
         return []
     t = ctx.cfg.tasks
-    params = sampling(ctx.cfg, "student", greedy)
-    prefixes = [answer_prefix("student", task.task_type) if t.answer_prefix else "" for task in tasks]
+    params, prefixes = zip(*[sampling(ctx.cfg, "student", task.task_type, greedy) for task in tasks])
     outputs = ray.get(ctx.actors.inference.generate.remote(
-        students, [student_prompt(task) for task in tasks], [params] * len(tasks), prefixes))
+        students, [student_prompt(task, t.reasoning) for task in tasks], list(params), list(prefixes)))
     attempts, requests = [], []  # (task index, student, prompt ids, completion, answer)
     for i, (task, student, pre, out) in enumerate(zip(tasks, students, prefixes, outputs)):
         for c in out.completions:
-            answer = extract_answer(pre + c.text, t.require_answer_close)
+            answer = extract_answer(pre + c.text, t.require_answer_close, t.reasoning)
             attempts.append((i, student, out.prompt_ids, c, answer))
             if answer is not None:
                 requests.append(check_request(task, answer))
@@ -195,7 +203,7 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
         correct = bool(verdict.get("correct"))
         malformed = not correct and verdict.get("reason") == "malformed"
         rollouts.append(Rollout(student, i, prompt_ids, c.token_ids, answer, correct, malformed,
-                                student_reward(correct, malformed)))
+                                student_reward(correct, malformed), c.supplied))
     return rollouts
 
 
@@ -221,18 +229,18 @@ def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[fl
 
     Also returns the step's signal shares: the fraction of training rows (per member, per role,
     overall) whose advantage is non-zero, the only rows that move an adapter."""
-    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r)
+    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r, p.supplied)
             for p, r in zip(proposals, teacher_rewards)]
     tasks = [p.task for p in proposals if p.task is not None]
-    rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward)
-             for r in rollouts]
+    rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward,
+              r.supplied) for r in rollouts]
     advantages = group_advantages([row[5] for row in rows], [row[:3] for row in rows])
     signal = signal_report([row[0] for row in rows], [row[1] for row in rows], advantages,
                            valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
                            solved_rollouts=sum(r.correct for r in rollouts),
                            malformed_rollouts=sum(r.malformed for r in rollouts))
-    samples = [TrainSample(adapter, prompt, completion, adv)
-               for (adapter, _, _, prompt, completion, _), adv in zip(rows, advantages)]
+    samples = [TrainSample(adapter, prompt, completion, adv, supplied)  # supplied tokens: context only
+               for (adapter, _, _, prompt, completion, _, supplied), adv in zip(rows, advantages)]
     actors = ctx.actors
     stats = ray.get(actors.learner.update.remote(samples))
     sync_adapters(actors)
@@ -313,6 +321,9 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         by_teacher[p.teacher].append((p.valid, r))
     for r in rollouts:
         by_student[r.student].append(r)
+    hashes = [ast_hash(p.program) if p.program else None for p in proposals]
+    # coverage: distinct ASTs among the valid programs the teachers wrote (code_f reuses programs)
+    ctx.coverage.update(h for p, h in zip(proposals, hashes) if p.valid and p.task_type != "code_f" and h)
     # members that left this step still get their last row (they played it)
     played = list(dict.fromkeys(list(matches) + list(matches.values()) + teachers + students))
     metrics = []
@@ -333,7 +344,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "learner/update_norm": stats.get(m, {}).get("update_norm"),
             "learner/signal_share": signal.by_member.get(m),
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
-            "population/conservative": rating.get("conservative"),
+            "population/conservative": rating.get("conservative"), "population/coverage": len(ctx.coverage),
             **times,
         })
     ctx.run.append("metrics", metrics)
@@ -343,7 +354,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
                                for m, r in ratings.items()])
     rates = {id(t): solve_rates[id(t)] for t in tasks}
     task_rows = []
-    for p, r in zip(proposals, teacher_rewards):
+    for p, r, h in zip(proposals, teacher_rewards, hashes):
         cx = complexity(p.task.program) if p.task is not None else {}
         task_rows.append({
             "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
@@ -352,8 +363,10 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
             "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,
             **{k: cx.get(k) for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
+            "ast_hash": h, "program_source": p.source,
         })
     ctx.run.append("tasks", task_rows)
+    recovery.track(ctx.run.rows["lineage"], metrics, ctx.cfg.population.recovery_updates)  # earlier children
     ctx.run.append("lineage", [{
         "step": e.step, "role": e.role, "child": e.child, "replaced": e.dead, "parents": list(e.parents),
         "operator": e.operator, "params": json.dumps(e.params), "parent_scores": list(e.parent_scores),
@@ -361,6 +374,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         "parent_probe": probe["parent_probe"], "child_probe": probe["child_probe"], "retention": probe["retention"],
         "probe_student": probe.get("probe_student"), "parent_probe_reward": probe.get("parent_probe_reward"),
         "child_probe_reward": probe.get("child_probe_reward"),
+        **recovery.birth_fields(e.role, e.parents[0], metrics),
     } for e, probe in events])
     ctx.run.flush()
     summary = {
@@ -369,6 +383,9 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
         "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
         "signal_share_student": signal.by_role.get("student", 0.0),
+        **{f"signal_rows_{role}": signal.rows_by_role.get(role, 0) for role in ("teacher", "student")},
+        **{f"signal_nonzero_{role}": round(signal.by_role.get(role, 0.0) * signal.rows_by_role.get(role, 0))
+           for role in ("teacher", "student")},
         "tasks": len(tasks), "replaced": len(events), **times,
     }
     ctx.summaries.append(summary)
@@ -420,6 +437,7 @@ def save_checkpoint(ctx: StepContext, step: int) -> float:
     driver = {
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
         "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
+        "coverage": sorted(ctx.coverage),
     }
     checkpoint.save(ctx.run.path / "checkpoint", step, {
         "learner": learner, "inference": inference, "population": population, "driver": driver})
@@ -441,6 +459,7 @@ def restore_checkpoint(ctx: StepContext) -> int:
     np.random.set_state(d["numpy_random"])
     torch.set_rng_state(d["torch_random"])
     ctx.run.load_state_dict(d["tables"])
+    ctx.coverage = set(d.get("coverage", []))  # checkpoints from before coverage: counted from here on
     return step
 
 

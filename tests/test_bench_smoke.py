@@ -26,6 +26,8 @@ KEYS = {
     "sync": ["sync_ms_per_adapter"],
     "memory": ["learner", "inference"],
     "selection": ["settings"],
+    "learning": ["valid_rate_first_step", "valid_rate_by_type", "signal_share_teacher", "signal_share_student",
+                 "valid_rate_last_third_vs_first_third", "student_solve_rate_max", "seconds_per_step"],
     "gpu_check": ["step8_vs_step1", "mixed8_vs_bare_hf", "mixed8_vs_single", "lora_A_changed_fraction"],
 }
 
