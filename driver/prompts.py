@@ -124,18 +124,24 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     the model writes only the contents (`multilora.reply_format`). Its opening is the reply
     prefix (the `answer_prefix` of the same role and type), in the prompt.
 
-    teacher code_i/code_o: <answer>\n```python\ndef f( PROGRAM ``` \n```input\n INPUT ``` \n</answer>
-    teacher code_f:        <answer>\n```input\n INPUT ``` (x induction_inputs) \n```message\n MESSAGE ``` \n</answer>
+    teacher code_i/code_o: <answer>\n```python\ndef f( PROGRAM ``` \n```input\n INPUT \n ```\n</answer>
+    teacher code_f:        <answer>\n```input\n INPUT \n ```\n```input\n ... (x induction_inputs)
+                           ```\n```message\n MESSAGE \n ```\n</answer>
     student code_i/code_o: <answer> ANSWER </answer>
     student code_f:        <answer>\n```python\ndef f( PROGRAM ``` \n</answer>
     `reasoning`: <think>\n REASONING </think> first, then the same with a newline before <answer>.
+
+    Inputs and the message are one line each: the model's newline closes them (a 135M
+    model otherwise runs on inside an input block until its token budget ends: 62 of the
+    116 invalid proposals of the default run before this format had no closed input block).
     """
     if role == "teacher" and task_type == "code_f":
-        leads = ["<answer>\n```input\n"] + ["\n```input\n"] * (induction_inputs - 1) + ["\n```message\n"]
-        ends, closing = ["```"] * (induction_inputs + 1), "\n</answer>"
-    elif role == "teacher" or task_type == "code_f":
-        leads = ["<answer>\n```python\ndef f("] + (["\n```input\n"] if role == "teacher" else [])
-        ends, closing = ["```"] * len(leads), "\n</answer>"
+        leads = ["<answer>\n```input\n"] + ["```\n```input\n"] * (induction_inputs - 1) + ["```\n```message\n"]
+        ends, closing = ["\n"] * (induction_inputs + 1), "```\n</answer>"
+    elif role == "teacher":
+        leads, ends, closing = ["<answer>\n```python\ndef f(", "\n```input\n"], ["```", "\n"], "```\n</answer>"
+    elif task_type == "code_f":
+        leads, ends, closing = ["<answer>\n```python\ndef f("], ["```"], "\n</answer>"
     else:
         leads, ends, closing = ["<answer>"], ["</answer>"], ""
     if reasoning:

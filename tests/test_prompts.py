@@ -1,3 +1,7 @@
+import re
+
+import pytest
+
 from driver.extraction import extract_answer, parse_proposal
 from driver.prompts import answer_prefix, student_prompt, teacher_prompt
 from driver.records import Task
@@ -41,3 +45,33 @@ def test_reasoning_prompts_ask_for_a_think_section_first_and_the_prefix_opens_it
     reply = answer_prefix("teacher", "code_o", reasoning=True) + "a list, sorted</think>\n<answer>\n```python\n" \
         "def f(xs):\n    return xs[::-1]\n```\n```input\n[1, 2]\n```\n</answer>"
     assert parse_proposal("code_o", reply, reasoning=True).input == "[1, 2]"
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+@pytest.mark.parametrize("task_type", ["code_i", "code_o", "code_f"])
+def test_constrained_reply_formats_parse_as_the_reply_format(task_type, reasoning):
+    """Filled with contents, every format the generator supplies reads back with the parsers
+    of the free-text reply (the same format, whoever wrote the tags)."""
+    from driver.prompts import reply_format
+
+    teacher = reply_format("teacher", task_type, 4, reasoning)
+    if task_type == "code_f":
+        contents = ["[1, 2]", "[3]", "[4, 5]", "[]", "sums the list"]
+    else:
+        contents = ["x):\n    return x + 1\n", "3"]
+    if reasoning:
+        contents = ["I will add one.\n", *contents]
+    body = "".join(c + end + teacher.supplied_after(i) for i, (c, end) in enumerate(zip(contents, teacher.ends)))
+    assert re.fullmatch(teacher.regex(), body), body
+    parsed = parse_proposal(task_type, teacher.opening + body, 4, True, reasoning)
+    assert parsed.error is None, (parsed, teacher.opening + body)
+    if task_type == "code_f":
+        assert parsed.inputs == ("[1, 2]", "[3]", "[4, 5]", "[]") and parsed.message == "sums the list"
+    else:
+        assert parsed.program == "def f(x):\n    return x + 1" and parsed.input == "3"
+    student = reply_format("student", task_type, 4, reasoning)
+    answer = "x):\n    return 1\n" if task_type == "code_f" else "[1, 2], 'a'"
+    pieces = (["thinking\n"] if reasoning else []) + [answer]
+    body = "".join(c + end + student.supplied_after(i) for i, (c, end) in enumerate(zip(pieces, student.ends)))
+    expected = "def f(x):\n    return 1" if task_type == "code_f" else "[1, 2], 'a'"
+    assert extract_answer(student.opening + body, True, reasoning) == expected
