@@ -295,7 +295,7 @@ def main() -> None:
         mixed_key: ours_runner(ours, tokenizer, ids, mixed, params),
     }
     vllm_note = "skipped (--no-vllm)" if args.no_vllm else "chat workload only"
-    if workload == "chat" and not args.no_peft:
+    if workload == "chat" and not args.no_peft and (not args.only or "peft" in args.only):
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(MODULES))
@@ -313,7 +313,7 @@ def main() -> None:
             "peft_single": hf_runner(reference, tokenizer, ids, params, single, "single"),
             "peft_mixed8": hf_runner(reference, tokenizer, ids, params, mixed, "mixed"),
         })
-    if workload == "chat" and not args.no_vllm:
+    if workload == "chat" and not args.no_vllm and (not args.only or "vllm" in args.only):
         factory, vllm_note = vllm_runners(model_path, spec, adapters, prompt_texts(args.prompts), args.dtype)
         if factory is not None:
             runners.update(factory(params.max_new_tokens))

@@ -1,5 +1,9 @@
 """Batched sampling with a KV cache over a `MultiLoraModel`: rows of different adapters,
 temperatures, top-p values, token budgets and stop strings share one forward per token.
+
+`generate` runs `multilora.decode` (static cache, continuous batching, one prefill per
+prompt) on Llama-family models, and the loop below around the model's own forward
+(a growing `DynamicCache`, rows dropped as they finish) on any other causal LM.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from multilora.decode import _hits_stop, decode, sample, supports
 from multilora.model import MultiLoraModel
 from multilora.reply_format import FormatCursor, ReplyFormat
 
@@ -60,23 +65,6 @@ class RequestOutput:
     completions: tuple[Completion, ...]
 
 
-def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-            generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: greedy where temperature == 0, else nucleus sampling."""
-    greedy = logits.argmax(dim=-1)
-    if not bool((temperature > 0).any()):  # an all-greedy batch needs no sort over the vocabulary
-        return greedy
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    pick = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
-    sampled = order.gather(1, pick[:, None]).squeeze(1)
-    return torch.where(temperature > 0, sampled, greedy)
-
-
 @torch.inference_mode()
 def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationRequest],
                    generator: torch.Generator | None) -> list[Completion]:
@@ -123,7 +111,7 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
                 sample_from = logits.clone()
                 sample_from[torch.tensor(unfinished, device=device)[:, None],
                             torch.tensor(sorted(eos_ids), device=device)[None, :]] = float("-inf")
-            tokens = _sample(sample_from, temperature, top_p, generator).tolist()
+            tokens = sample(sample_from, temperature, top_p, generator).tolist()
             forced = [False] * len(live)
             for k, i in enumerate(live):
                 if cursors[i] is not None and cursors[i].pending:
@@ -165,16 +153,23 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     ]
 
 
-def _hits_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> bool:
-    # A stop string spans at most a few tokens: decoding a short tail is enough.
-    tail = tokenizer.decode(ids[-8:], skip_special_tokens=True)
-    return any(s in tail for s in stops)
-
-
 def generate(model: MultiLoraModel, tokenizer, requests: Sequence[GenerationRequest], max_batch: int = 32,
              generator: torch.Generator | None = None) -> list[RequestOutput]:
-    """Generate `params.n` completions per request; rows of all requests are batched
-    together (sorted by prompt length to limit padding) at most `max_batch` at a time."""
+    """Generate `params.n` completions per request, at most `max_batch` rows at a time.
+
+    Llama-family models: `multilora.decode` (rows of all requests share the batch; a
+    finished row's slot goes to the next waiting rollout). Others: rows sorted by prompt
+    length (to limit padding), batched `max_batch` at a time."""
+    if supports(model):
+        completions = decode(model, tokenizer, requests, max_batch=max_batch, generator=generator)
+        return [RequestOutput(r.prompt_ids, tuple(c)) for r, c in zip(requests, completions)]
+    return generate_dynamic(model, tokenizer, requests, max_batch, generator)
+
+
+def generate_dynamic(model: MultiLoraModel, tokenizer, requests: Sequence[GenerationRequest], max_batch: int = 32,
+                     generator: torch.Generator | None = None) -> list[RequestOutput]:
+    """`generate` through the model's own forward and a growing cache (any causal LM; the
+    reference `multilora.decode` is tested against)."""
     rows = [(ri, r) for ri, r in enumerate(requests) for _ in range(r.params.n)]
     order = sorted(range(len(rows)), key=lambda k: len(rows[k][1].prompt_ids))
     results: list[Completion | None] = [None] * len(rows)
