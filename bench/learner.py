@@ -2,7 +2,8 @@
 
     python -m bench.learner [--quick | --smoke]
 
-Two `PolicyTrainer`s on SmolLM2-135M-Instruct (rank-16 adapters on every projection):
+Two `PolicyTrainer`s on SmolLM2-135M-Instruct (rank-16 adapters on every projection; base
+in `--dtype`, default auto: bf16 on CPUs with AMX/AVX512-BF16, LoRA factors fp32):
 one holds 8 adapters and gets a batch whose rows cycle through all 8, the other holds
 one adapter and gets the same token ids, all on that adapter. Each `update` recomputes
 the old log-probs, runs forward + backward over the mixed micro-batches and steps every
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, OpenMP threads that outnumber "
                              "free cores spin at every barrier and times collapse, measured 10x+)")
+    parser.add_argument("--dtype", default="auto", help="base dtype (model.dtype; default auto: bf16 where the "
+                                                        "hardware has it); LoRA factors are fp32 either way")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 8 short rollouts, 1 rep "
                                                              "(tests: the bench still works)")
     args = parser.parse_args()
@@ -80,7 +83,8 @@ def main() -> None:
 
     model_name = "tiny-llama" if args.smoke else "smollm2-135m-instruct"
     shapes = None if args.smoke else "135m"
-    base = load_base_model(str(prepare(model_name)))
+    base = load_base_model(str(prepare(model_name)), args.dtype)
+    dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
     trainers = {8: make_trainer(base, 8, micro_batch, shapes), 1: make_trainer(base, 1, micro_batch, shapes)}
     del base
     batches = {n: make_samples(count, prompt_len, completion_len, n, seed=0) for n in trainers}
@@ -103,7 +107,7 @@ def main() -> None:
     median = {n: statistics.median(v) for n, v in seconds.items()}
     ratio = median[8] / median[1]
 
-    print(f"learner update, {model_name}, rank {RANK}, {count} rollouts, {tokens} tokens, "
+    print(f"learner update, {model_name} ({dtype} base, fp32 LoRA), rank {RANK}, {count} rollouts, {tokens} tokens, "
           f"micro-batch {micro_batch}, torch threads {torch.get_num_threads()}, reps {reps}")
     for n in (1, 8):
         print(f"{n} adapter(s): median {median[n]:.2f} s   reps " + " ".join(f"{s:.2f}" for s in seconds[n]))
@@ -120,6 +124,7 @@ def main() -> None:
         "reps": reps,
         "torch_threads": torch.get_num_threads(),
         "model": model_name,
+        "dtype": dtype,
         "smoke": args.smoke,
     }
     write_result("learner", result)

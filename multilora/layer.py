@@ -47,6 +47,10 @@ class Routing:
     """
 
     def __init__(self) -> None:
+        # False on a learner's model: its no-grad passes (old log-probs) stack only the
+        # batch's slots, as training does, instead of caching stacked copies of every slot
+        # (one more adapter-sized copy per member, rebuilt after every update anyway)
+        self.cache_stacks = True
         self._slots: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
         self._used: tuple[list[int], torch.Tensor] | None = None
@@ -125,7 +129,7 @@ class MultiLoraLinear(nn.Module):
         if slots is None:
             return out
         flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
-        if torch.is_grad_enabled() and self.lora_A[0].requires_grad:
+        if (torch.is_grad_enabled() and self.lora_A[0].requires_grad) or not self.routing.cache_stacks:
             # training: stack only this batch's slots, so gradients (and their memory)
             # reach exactly the adapters of its rows
             used, local = self.routing.used_slots()

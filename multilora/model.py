@@ -203,6 +203,9 @@ class MultiLoraModel(nn.Module):
         return params
 
     def set_trainable(self, trainable: bool) -> None:
+        """Factors take gradients (a learner's model: no cached inference stacks either,
+        see `Routing.cache_stacks`) or not (an inference engine's)."""
+        self.routing.cache_stacks = not trainable
         for layer in self.layers.values():
             layer.lora_A.requires_grad_(trainable)
             layer.lora_B.requires_grad_(trainable)

@@ -92,3 +92,24 @@ def test_bf16_base_generates(bf16_model, tiny_model_path):
                                                              SamplingParams(temperature=0.0, max_new_tokens=4,
                                                                             ignore_eos=True))])
     assert len(out[0].completions[0].token_ids) == 4
+
+
+def test_a_learners_no_grad_pass_caches_no_inference_stacks(bf16_model):
+    """Old log-probs on a trainable model stack only the batch's slots (no cached copy of
+    every slot: bench.memory's per-member growth), with the same result as the cached path."""
+    from multilora.logprobs import pack, token_logprobs
+
+    packed = pack([(5, 6, 7)], [(8, 9)], 0)
+    bf16_model.set_trainable(False)
+    with torch.no_grad():
+        cached = token_logprobs(bf16_model, packed, ["a"])
+    assert all(layer._stacked is not None for layer in bf16_model.layers.values())
+    bf16_model.invalidate()
+    bf16_model.set_trainable(True)
+    try:
+        with torch.no_grad():
+            uncached = token_logprobs(bf16_model, packed, ["a"])
+        assert all(layer._stacked is None for layer in bf16_model.layers.values())
+        assert torch.allclose(cached, uncached, atol=1e-2)
+    finally:
+        bf16_model.set_trainable(False)
