@@ -56,9 +56,9 @@ class _Gauges:
 
     def __init__(self):
         try:
-            from ray.util.metrics import Gauge
+            from actors.metrics import HeldGauge
 
-            self.size, self.queue = (Gauge(name, description=desc) for name, desc in POOL_GAUGES.items())
+            self.size, self.queue = (HeldGauge(name, description=desc) for name, desc in POOL_GAUGES.items())
         except Exception:  # metrics are observability, never a reason to fail
             self.size = self.queue = None
 

@@ -37,11 +37,14 @@ def exported_metrics() -> set[str]:
 
 
 class Telemetry:
-    """Gauges set once per step from the step's metrics rows (a no-op without Ray metrics)."""
+    """Gauges set once per step from the step's metrics rows (a no-op without Ray metrics).
+
+    They keep exporting the last step's values until the Telemetry is garbage (actors/metrics.py).
+    """
 
     def __init__(self) -> None:
         try:
-            from ray.util.metrics import Gauge
+            from actors.metrics import HeldGauge as Gauge  # kept exported between steps
 
             self.member = {name: Gauge(name, description=desc, tag_keys=("member", "role"))
                            for name, (_, desc) in MEMBER_GAUGES.items()}
@@ -57,6 +60,8 @@ class Telemetry:
     def publish(self, step: int, rows: list[dict], seconds: dict[str, float]) -> None:
         if self.step is None:
             return
+        for gauge in self.member.values():
+            gauge.clear()  # members that left stop being exported
         for row in rows:
             if not row.get("alive", True):
                 continue

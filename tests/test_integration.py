@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_path):
     cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "population.evolve_every=2",
-                                                         "learner.weight_decay=0.1"])
+                                                         "learner.weight_decay=0.1", "logging.tensorboard=true"])
     run = train(cfg)
 
     for name in ("config.yaml", "metrics.parquet", "tasks.parquet", "ratings.parquet", "lineage.parquet"):
@@ -50,33 +50,80 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
         assert spec.rank == 8
         assert all(torch.isfinite(v).all() for v in state.values())
 
+    # logging.tensorboard: every numeric metrics.parquet cell is a TensorBoard scalar under its column name
+    from driver.trackers import is_step_wide, read_tensorboard, scalars
 
-def _scrape(port: int, names: set[str], attempts: int = 40) -> dict[str, list[str]]:
-    """Lines of each metric from the node's Prometheus endpoint (polled: export is periodic)."""
+    want = {("" if is_step_wide(c) else m["member"], c, m["step"]): v for m in metrics for c, v in scalars(m).items()}
+    found = read_tensorboard(run / "tensorboard")
+    assert set(found) == set(want), \
+        f"missing {sorted(set(want) - set(found))[:5]}, extra {sorted(set(found) - set(want))[:5]}"
+    assert all(abs(found[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in want.items())  # float32 in event files
+
+
+def _scrape(port: int, ready, timeout_s: float = 150.0) -> dict[str, list]:
+    """Samples of each metric on the node's Prometheus endpoint, polled until `ready(samples)`.
+
+    Export is periodic (about every 10 s here), and series of earlier runs in the same Ray
+    session are there before this run's own: a full set of names is not yet this run's.
+    """
     import time
     import urllib.request
+    from collections import defaultdict
 
-    found: dict[str, list[str]] = {}
-    for _ in range(attempts):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while True:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        found = {n: [line for line in text.splitlines() if line.startswith(f"ray_{n}{{")] for n in names}
-        if all(found.values()):
-            break
-        time.sleep(1.5)
-    return found
+        samples: dict[str, list] = defaultdict(list)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[sample.name].append(sample)
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(1.0)
 
 
 def test_training_metrics_reach_the_prometheus_endpoint(ray_session, tiny_model_path, tmp_path):
+    import math
+
     import ray
 
-    cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "run.steps=1"])
-    train(cfg)
+    from driver.telemetry import exported_metrics
+
     port = ray.nodes()[0]["MetricsExportPort"]
-    names = {"populora_trueskill_mu", "populora_trueskill_sigma", "populora_teacher_reward",
-             "populora_teacher_valid_rate", "populora_phase_seconds", "populora_step",
-             "populora_verifier_pool_size", "populora_verifier_queue_depth"}
-    found = _scrape(port, names)
-    assert all(found.values()), f"missing on :{port}: {sorted(n for n, v in found.items() if not v)}"
-    assert any('member="teacher-0"' in line and 'role="teacher"' in line for line in found["populora_trueskill_mu"])
-    assert {p for p in ("propose", "solve", "update") if any(f'phase="{p}"' in x for x in found["populora_phase_seconds"])} \
-        == {"propose", "solve", "update"}
+    seen: dict = {}
+
+    def this_run(samples, rows) -> bool:
+        """This run's own values are exported: its phase seconds (unique to it) and members' ratings."""
+        mu = {(r["member"], r["role"], r["population/trueskill_mu"]) for r in rows if r["alive"]}
+        phases = {(p, rows[0][f"time/{p}"]) for p in ("propose", "solve", "update")}
+        seen_mu = {(s.labels.get("member"), s.labels.get("role"), s.value)
+                   for s in samples.get("ray_populora_trueskill_mu", [])}
+        seen_phase = {(s.labels.get("phase"), s.value) for s in samples.get("ray_populora_phase_seconds", [])}
+        return (all(any((m, r) == (m2, r2) and math.isclose(v, v2) for m2, r2, v2 in seen_mu) for m, r, v in mu)
+                and all(any(p == p2 and math.isclose(v, v2) for p2, v2 in seen_phase) for p, v in phases))
+
+    def expected_names(rows) -> set[str]:
+        names = exported_metrics()  # what grafana/populora-dashboard.json reads (tests/test_grafana.py)
+        if all(r.get("population/coverage") is None for r in rows):
+            names.discard("ray_populora_coverage")  # exported only by runs whose rows carry the column
+        if all(r.get("student/solve_rate") is None for r in rows):
+            names.discard("ray_populora_student_solve_rate")  # no valid task, no rollout (random model)
+        return names
+
+    def scrape_while_running(step, ctx) -> None:  # the run is live: its gauges are held
+        rows = seen["rows"] = ctx.run.rows["metrics"]
+        names = expected_names(rows)
+        seen["samples"] = _scrape(port, lambda samples: this_run(samples, rows) and all(samples.get(n) for n in names))
+
+    cfg = load_config(ROOT / "configs/test.yaml", [f"run.output_dir={tmp_path}", "run.steps=1"])
+    train(cfg, on_step=scrape_while_running)
+    rows, samples = seen["rows"], seen["samples"]
+    assert this_run(samples, rows), f"this run's values never reached :{port}: rows {rows}, saw " \
+        f"{[(s.labels, s.value) for s in samples.get('ray_populora_trueskill_mu', [])]} and " \
+        f"{[(s.labels, s.value) for s in samples.get('ray_populora_phase_seconds', [])]}"
+    missing = sorted(n for n in expected_names(rows) if not samples.get(n))
+    assert not missing, f"missing on :{port}: {missing}"
+    assert any(s.labels.get("member") == "teacher-0" and s.labels.get("role") == "teacher"
+               for s in samples["ray_populora_trueskill_mu"])
