@@ -98,6 +98,15 @@ def test_codeio_tasks_are_checked_by_the_verifier():
     assert bench.score(problems[0], "no answer block", OPTIONS).reason.startswith("malformed")
 
 
+def test_codeio_asks_a_reasoning_run_to_think_first():
+    options = {"reasoning": True, "solve_max_new_tokens": 512}
+    (problem,) = codeio.load_codeio(1, 1234, options)
+    assert "<think>" in problem.prompt and problem.prefix == "<think>\n" and problem.max_new_tokens == 512
+    bench, right = codeio.BENCHMARKS[0], problem.gold["output"]
+    assert bench.score(problem, f"trace it</think><answer>{right}</answer>", options).correct
+    assert not bench.score(problem, f"<answer>{right}</answer> still thinking", options).correct
+
+
 def test_math_extraction_and_equivalence(tmp_path):
     assert mathbench.extract_final("so \\boxed{\\frac{1}{2}} and \\boxed{1,000}") == "1,000"
     assert mathbench.extract_final("The answer is 42.") == "42"

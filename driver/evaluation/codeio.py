@@ -16,7 +16,9 @@ teachers' own proposals).
 
 Prompts and extraction are the student's at training time (`driver.prompts.student_prompt`,
 reply prefixed with `<answer>`, `driver.extraction.extract_answer`); `verifier_sandbox.check`
-decides: code_o by value, code_i by running `f(answer)` in the sandbox.
+decides: code_o by value, code_i by running `f(answer)` in the sandbox. A run trained with
+`tasks.reasoning` is asked the same way (options "reasoning"): a `<think>` section first,
+the answer read after `</think>`, and the run's `tasks.solve_max_new_tokens` to do it in.
 """
 
 from __future__ import annotations
@@ -114,18 +116,20 @@ def load_codeio(limit: int | None, seed: int, options: dict) -> list[Problem]:
                 if done:
                     tasks.append((idx, *done))
     problems = []
+    reasoning = bool(options.get("reasoning", False))
+    budget = int(options.get("solve_max_new_tokens") or MAX_NEW_TOKENS) if reasoning else MAX_NEW_TOKENS
     for idx, program, inp, out in tasks:
         for task_type in TYPES:
             task = Task(task_type, program, input=inp, output=out, teacher="codeio")
-            problems.append(Problem("codeio", f"codeio/{idx}/{task_type}", student_prompt(task),
-                                    prefix=answer_prefix("student", task_type), group=task_type,
-                                    stop=("</answer>",), max_new_tokens=MAX_NEW_TOKENS,
+            problems.append(Problem("codeio", f"codeio/{idx}/{task_type}", student_prompt(task, reasoning),
+                                    prefix=answer_prefix("student", task_type, reasoning), group=task_type,
+                                    stop=("</answer>",), max_new_tokens=budget,
                                     gold={"program": program, "input": inp, "output": out}))
     return problems[:wanted]
 
 
 def score_codeio(problem: Problem, text: str, options: dict) -> Verdict:
-    answer = extract_answer(problem.prefix + text)
+    answer = extract_answer(problem.prefix + text, reasoning=bool(options.get("reasoning", False)))
     if answer is None:
         return Verdict(False, "malformed: no <answer> block")
     g = problem.gold

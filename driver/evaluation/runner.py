@@ -327,7 +327,9 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
                                   f"model:{cfg.model.path}"))
     if not adapters:
         raise ValueError(f"nothing to evaluate: no adapters under {run_dir / 'adapters'} and --no-base given")
-    options = {"paths": dict(settings.data), "timeout_s": settings.timeout_s, "workers": settings.workers}
+    options = {"paths": dict(settings.data), "timeout_s": settings.timeout_s, "workers": settings.workers,
+               # the run's students think first: codeio asks and reads its answers the same way
+               "reasoning": cfg.tasks.reasoning, "solve_max_new_tokens": cfg.tasks.solve_max_new_tokens}
     problems, skipped = load_problems(settings, options)
     if not problems:
         raise DataMissing("no benchmark has data on this machine (see the messages above)")
