@@ -28,6 +28,12 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
     # 2 teachers x 3 task types x 1 proposal per type per step, every one recorded
     assert len(tasks) == 2 * 3 * 2
     assert all(t["teacher_reward"] == -1.0 for t in tasks if not t["valid"])
+    # coverage: cumulative distinct ASTs of the valid programs teachers wrote, one value per step
+    written = {t["ast_hash"] for t in tasks if t["valid"] and t["task_type"] != "code_f"}
+    coverage = {m["step"]: m["population/coverage"] for m in metrics}
+    assert coverage[2] == len(written) and coverage[1] <= coverage[2], coverage
+    assert all(t["ast_hash"] is None or len(t["ast_hash"]) == 16 for t in tasks)
+    assert {t["program_source"] for t in tasks if t["task_type"] == "code_f"} <= {"seed", "proposal"}
 
     # every member that played was updated: a random model earns no reward signal (all
     # its text is malformed, so advantages are 0), but weight decay still moves each
