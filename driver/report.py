@@ -484,6 +484,38 @@ def lineage_table(run: RunData) -> str:
     return _table(header, rows)
 
 
+def recovery_rows(run: RunData) -> list[dict]:
+    """Per (role, operator): children whose parent had a reward at birth, how many have
+    played, how many reached the parent's reward, the median update at which they did, and
+    the mean gap (child - parent) at each child's latest tracked update."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in run.lineage:
+        if row.get("parent_reward") is not None:
+            groups[(row.get("role") or "?", row.get("operator") or "?")].append(row)
+    out = []
+    for (role, operator), rows in sorted(groups.items()):
+        played = [r for r in rows if r.get("child_rewards")]
+        recovered = [r["recovered_at"] for r in played if r.get("recovered_at") is not None]
+        gaps = [float(r["child_rewards"][-1]) - float(r["parent_reward"]) for r in played]
+        out.append({"role": role, "operator": operator, "children": len(rows), "played": len(played),
+                    "recovered": len(recovered),
+                    "median_update": float(np.median(recovered)) if recovered else None,
+                    "latest_gap": float(np.mean(gaps)) if gaps else None,
+                    "updates": max((len(r["child_rewards"]) for r in played), default=0)})
+    return out
+
+
+def recovery_table(run: RunData) -> str:
+    rows = recovery_rows(run)
+    if not rows:
+        return "<p>No child with a parent reward at birth in this run.</p>"
+    header = ["role", "operator", "children", "have played", "reached the parent's reward",
+              "median update reached", "mean gap at latest update", "updates tracked (max)"]
+    return _table(header, [[r["role"], r["operator"], str(r["children"]), str(r["played"]), str(r["recovered"]),
+                            _fmt(r["median_update"], 1), _fmt(r["latest_gap"], 2), str(r["updates"])]
+                           for r in rows])
+
+
 def markdown_to_html(text: str) -> str:
     """Just enough Markdown for an evaluation note: headings, pipe tables, code fences, paragraphs."""
     out, para, table, code = [], [], [], None
@@ -648,6 +680,8 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
                      f"<figcaption>{html.escape(caption)} (<a href='{name}'>{name}</a>)</figcaption></figure>")
         if name == "lineage.png":
             parts.append(f"<h3>Replacements — {html.escape(main.name)}</h3>{lineage_table(main)}")
+        if name == "recovery.png":
+            parts.append(f"<h3>Recovery per operator — {html.escape(main.name)}</h3>{recovery_table(main)}")
     for r in runs:
         if r.config:
             parts.append(f"<details><summary>config.yaml of {html.escape(r.name)}</summary>"

@@ -139,8 +139,15 @@ def test_complexity_leaves_seed_programs_out_and_old_runs_still_load(tmp_path):
 
 
 def test_recovery_is_shown_in_the_lineage_table(tmp_path):
-    text = write_report(population_run(tmp_path / "pop")).read_text()
+    from driver.report import recovery_rows
+
+    run = population_run(tmp_path / "pop")
+    text = write_report(run).read_text()
     assert "recovered at" in text and "update 3" in text and "id='recovery'" in text and "id='coverage'" in text
+    assert "Recovery per operator" in text
+    (row,) = recovery_rows(load_run(run))
+    assert row == {"role": "teacher", "operator": "gaussian", "children": 1, "played": 1, "recovered": 1,
+                   "median_update": 3.0, "latest_gap": pytest.approx(0.1), "updates": 3}
 
 
 def test_lineage_lanes_follow_slots(tmp_path):
