@@ -154,10 +154,19 @@ def _end_descendants(timeout_s: float = 15.0) -> list[str]:
 
 
 def _sandbox_processes() -> list[str]:
-    """Sandbox processes (bwrap) still below this process: workers that are gone should leave none."""
+    """Live sandbox processes (bwrap) below this process: workers that are gone should leave none.
+
+    Dead ones re-parented to this subreaper stay zombies until it reaps them: not counted."""
     import psutil
 
-    return [f"{p.pid}:{p.name()}" for p in psutil.Process().children(recursive=True) if p.name() == "bwrap"]
+    live = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name() == "bwrap" and p.status() != psutil.STATUS_ZOMBIE:
+                live.append(f"{p.pid}:{p.status()}")
+        except psutil.NoSuchProcess:
+            pass
+    return live
 
 
 def _events(path: Path) -> list[str]:
