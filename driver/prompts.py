@@ -57,10 +57,13 @@ def _think(key: str) -> str:
 
 
 def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs: int = 4,
-                   reasoning: bool = False) -> str:
+                   reasoning: bool = False, constrained: bool = False) -> str:
     """The teacher's request. code_i/code_o: write a new program and one input, given
     reference tasks. code_f: write `induction_inputs` inputs and a hint for references[0].
-    `reasoning`: a `<think>` section first."""
+    `reasoning`: a `<think>` section first. `constrained` (`tasks.constrained_format`): the
+    generator writes the tags and fences, so the prompt says what goes in each section
+    instead of showing a template: a 135M model copied the template's "..." placeholders
+    as its inputs."""
     think = [_think(task_type)] if reasoning else []
     reply_think = ["<think>", "...", "</think>"] if reasoning else []
     if task_type == "code_f":
@@ -74,12 +77,14 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
             "An example input (the text inside f(...)):",
             _fence("input", example),
             *think,
-            "Reply in exactly this format:",
-            *reply_think,
-            "<answer>",
-            *[_fence("input", "...") for _ in range(induction_inputs)],
-            _fence("message", "one-line hint"),
-            "</answer>",
+            *([f"Reply with {induction_inputs} different inputs, each on one line in its own ```input block and "
+               "written like the example, then the hint on one line in a ```message block."] if constrained else [
+              "Reply in exactly this format:",
+              *reply_think,
+              "<answer>",
+              *[_fence("input", "...") for _ in range(induction_inputs)],
+              _fence("message", "one-line hint"),
+              "</answer>"]),
         ])
     parts = [
         "## Task: create a new Python program `f` and one input for it. " + _GOAL[task_type],
@@ -90,6 +95,10 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
     for i, ref in enumerate(references):  # shown in the reply format itself: small models copy it
         parts += [f"Reference {i + 1}:", "<answer>", _fence("python", ref.program),
                   _fence("input", ref.input or (ref.inputs[0] if ref.inputs else "")), "</answer>"]
+    if constrained:
+        return "\n".join([*parts, "", *think,
+                          "Reply like the references: your program in a ```python block, then its input on one "
+                          "line in an ```input block (the text inside f(...), Python literals separated by commas)."])
     parts += [
         "",
         *think,
@@ -144,9 +153,11 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
         leads, ends, closing = ["<answer>\n```python\ndef f("], ["```"], "\n</answer>"
     else:
         leads, ends, closing = ["<answer>"], ["</answer>"], ""
+    # a section never starts with its end; one-line sections not with a fence either
+    not_first = ["`" if end == "\n" else "" for end in ends]
     if reasoning:
-        leads, ends = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends]
-    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing)
+        leads, ends, not_first = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends], ["", *not_first]
+    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing, tuple(not_first))
 
 
 def student_prompt(task: Task, reasoning: bool = False) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from multilora.decode import _hits_stop, decode, sample, supports
 from multilora.model import MultiLoraModel
-from multilora.reply_format import FormatCursor, ReplyFormat
+from multilora.reply_format import FormatCursor, ReplyFormat, format_logits
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,7 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
             log_norm = torch.logsumexp(logits.float(), dim=-1)
-            unfinished = [k for k, i in enumerate(live) if cursors[i] is not None and not cursors[i].finished_sections]
-            sample_from = logits
-            if unfinished:  # a row may not end before its format's sections are closed
-                sample_from = logits.clone()
-                sample_from[torch.tensor(unfinished, device=device)[:, None],
-                            torch.tensor(sorted(eos_ids), device=device)[None, :]] = float("-inf")
+            sample_from = format_logits(logits, [cursors[i] for i in live], tokenizer, eos_ids)
             tokens = sample(sample_from, temperature, top_p, generator).tolist()
             forced = [False] * len(live)
             for k, i in enumerate(live):

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class ReplyFormat:
@@ -37,6 +39,9 @@ class ReplyFormat:
     ends: tuple[str, ...]
     joins: tuple[str, ...] = ()
     closing: str = ""
+    # per section: characters its content may not start with (besides its end's first one,
+    # which is never allowed first: a section's content is never empty); "" for none
+    not_first: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ends:
@@ -45,6 +50,12 @@ class ReplyFormat:
             raise ValueError(f"{len(self.ends)} sections need {len(self.ends) - 1} joins, got {len(self.joins)}")
         if any(not e for e in self.ends):
             raise ValueError("every section needs a non-empty end text")
+        if self.not_first and len(self.not_first) != len(self.ends):
+            raise ValueError(f"not_first names {len(self.not_first)} sections of {len(self.ends)}")
+
+    def banned_first(self, section: int) -> str:
+        """Characters the content of `section` may not start with."""
+        return self.ends[section][0] + (self.not_first[section] if self.not_first else "")
 
     def supplied_after(self, section: int) -> str:
         """The fixed text the generator supplies once section `section` is closed."""
@@ -63,7 +74,8 @@ class ReplyFormat:
         each content is any text that does not contain its end."""
         parts = []
         for i, end in enumerate(self.ends):
-            parts += [_content_without(end), _escape(end), _escape(self.supplied_after(i))]
+            first = "[ ]*[^ " + "".join(_class_escape(c) for c in dict.fromkeys(self.banned_first(i))) + "]"
+            parts += [first, _content_without(end), _escape(end), _escape(self.supplied_after(i))]
         return "".join(parts)
 
 
@@ -126,6 +138,13 @@ class FormatCursor:
             if self.section == len(self.fmt.ends) and not self.pending:
                 self.done = True
 
+    def banned_now(self) -> str:
+        """Characters the next sampled token may not start with ("" for none): a section's
+        first token may not open with its end or its `not_first` characters."""
+        if self.pending or self.content or self.finished_sections:
+            return ""
+        return self.fmt.banned_first(self.section)
+
     def take_supplied(self) -> int:
         token = self.pending.pop(0)
         if not self.pending and self.section == len(self.fmt.ends):
@@ -135,6 +154,41 @@ class FormatCursor:
     @property
     def finished_sections(self) -> bool:
         return self.section == len(self.fmt.ends)
+
+
+_FIRST_CHAR_BANS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def tokens_starting_with(tokenizer, chars: str) -> torch.Tensor:
+    """Bool `[vocab]`: token ids whose text, leading spaces aside, starts with one of `chars`
+    or is empty (special tokens, whitespace); computed once per tokenizer and character set."""
+    key = (id(tokenizer), chars)
+    if key not in _FIRST_CHAR_BANS:
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        _FIRST_CHAR_BANS[key] = torch.tensor([not t.lstrip() or t.lstrip()[0] in chars for t in texts],
+                                             dtype=torch.bool)
+    return _FIRST_CHAR_BANS[key]
+
+
+def format_logits(logits: torch.Tensor, cursors: Sequence[FormatCursor | None], tokenizer,
+                  eos_ids: Sequence[int]) -> torch.Tensor:
+    """The logits to sample from for rows in `cursors` order (None: no format): end of
+    sequence masked while a format is unfinished, and a section's first token may not
+    start with a banned character. `logits` itself is not changed."""
+    unfinished = [k for k, c in enumerate(cursors) if c is not None and not c.finished_sections]
+    bans = [(k, c.banned_now()) for k, c in enumerate(cursors) if c is not None]
+    bans = [(k, chars) for k, chars in bans if chars]
+    if not unfinished and not bans:
+        return logits
+    out = logits.clone()
+    if unfinished:
+        out[torch.tensor(unfinished, device=logits.device)[:, None],
+            torch.tensor(sorted(eos_ids), device=logits.device)[None, :]] = float("-inf")
+    for k, chars in bans:
+        banned = tokens_starting_with(tokenizer, chars).to(logits.device)
+        out[k, : banned.shape[0]] = out[k, : banned.shape[0]].masked_fill(banned[: out.shape[1]], float("-inf"))
+    return out
 
 
 def supplied_mask(tokenizer, token_ids: Sequence[int], fmt: ReplyFormat) -> tuple[bool, ...]:
