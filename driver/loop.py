@@ -146,7 +146,7 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
     """One batched generation for all jobs (teachers mixed), parsing, then validation."""
     t = ctx.cfg.tasks
     params, prefixes = zip(*[sampling(ctx.cfg, "teacher", tt, greedy) for _, tt, _ in jobs]) if jobs else ((), ())
-    prompts = [teacher_prompt(tt, refs, t.induction_inputs, t.reasoning) for _, tt, refs in jobs]
+    prompts = [teacher_prompt(tt, refs, t.induction_inputs, t.reasoning, t.constrained_format) for _, tt, refs in jobs]
     outputs = ray.get(ctx.actors.inference.generate.remote(
         [j[0] for j in jobs], prompts, list(params), list(prefixes)))
     parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close,
