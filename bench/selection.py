@@ -8,7 +8,8 @@ skill at all (every game a fair coin), replacement should pick any member of a r
 alike: the previous child is then the one replaced with probability 1 / members (25 % at
 4 per role, 50 % at 2). This simulation plays `evolution.population.Population` with
 fair-coin games (PFSP matching, one game per proposal, `games` proposals per teacher per
-step) and counts how often the member replaced at an evolution step is the child born at
+step, as configs/local.yaml and configs/cluster-7b.yaml give them, and with one game per step)
+and counts how often the member replaced at an evolution step is the child born at
 the previous one, for `population.min_games` = 0 (no protection) and the protected
 settings. Reference in the same run: chance, 1 / members. Prints a table, then one JSON
 line, also written to ``bench/results/selection.json``.
@@ -17,15 +18,29 @@ line, also written to ``bench/results/selection.json``.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from bench import write_result
 from evolution.population import Population
 
-# (members per role, evolve every K steps, games per teacher per step): configs/local.yaml
-# (3 task types x 2 proposals), configs/cluster-7b.yaml (3 x 8), and both with one game per step
-SETTINGS = {"2T2S_K5": (2, 5, 6), "4T4S_K10": (4, 10, 24), "2T2S_K5_1game": (2, 5, 1), "4T4S_K10_1game": (4, 10, 1)}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_setting(name: str) -> tuple[int, int, int]:
+    """(members per role, evolve every K steps, games per teacher per step) of a config file:
+    one game per proposal, `proposals_per_type` of each task type."""
+    cfg = yaml.safe_load((ROOT / "configs" / name).read_text())
+    p, t = cfg["population"], cfg["tasks"]
+    return p["teachers"], p["evolve_every"], len(t["types"]) * t["proposals_per_type"]
+
+
+def settings() -> dict[str, tuple[int, int, int]]:
+    local, cluster = config_setting("local.yaml"), config_setting("cluster-7b.yaml")
+    return {"local.yaml": local, "cluster-7b.yaml": cluster,
+            "local_1game": (*local[:2], 1), "cluster_1game": (*cluster[:2], 1)}
 
 
 def previous_child_replaced(members: int, every: int, games: int, min_games: int, steps: int,
@@ -62,7 +77,7 @@ def main() -> None:
     print(f"fair-coin games, {seeds} seeds x {steps} steps; 'previous child' = share of replacements that "
           "removed the child born at the previous evolution step")
     print(f"{'setting':>15} {'min_games':>9} {'previous child':>15} {'chance':>7} {'replacements':>13}")
-    for name, (members, every, games) in SETTINGS.items():
+    for name, (members, every, games) in settings().items():
         rows = {}
         for min_games in args.min_games:
             totals = np.sum([previous_child_replaced(members, every, games, min_games, steps, seed)

@@ -66,12 +66,12 @@ class PopulationConfig:
     # A child cannot be replaced before it has played this many games (one per proposal): its
     # reset sigma would make it the next one culled. TrueSkill sigma over fair games: 8.3 at
     # birth, 1.4 after 40, 0.9 after 100, floor 0.8, so after 100 games a child's mu - 3 sigma is
-    # within ~0.3 of a veteran's with the same mu. Cost: with 2 per role and 30 games between
+    # within ~0.3 of a veteran's with the same mu. Cost: with 2 per role and 60 games between
     # evolution steps (configs/local.yaml) the role waits while the child rates lowest. Effect
-    # (python -m bench.selection, fair-coin games, 2 per role, K=5, 6 games per step): the
-    # replaced member was the previous child 81% of the time without protection, 45% with
-    # 100 (chance 50%), at the price of 254 replacements instead of 800. At the cluster's
-    # 4 per role, 24 games per step, no bias (26%, chance 25%) and the protection never binds.
+    # (python -m bench.selection, fair-coin games, local.yaml: 2 per role, K=5, 12 games per
+    # step): the replaced member was the previous child 70% of the time without protection,
+    # 48% with 100 (chance 50%), at the price of 465 replacements instead of 800. At
+    # cluster-7b.yaml's 4 per role, 24 games per step: no bias (26%, chance 25%), never binds.
     min_games: int = 100
     # lineage rows follow each child's reward over this many updates against its parent's at
     # birth (the paper: a child recovers its parent's reward within about 10-20 updates)

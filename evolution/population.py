@@ -92,8 +92,8 @@ class Population:
 
         Why: a newborn's sigma is reset to `child_sigma`, so its `mu - 3 sigma` sits far below
         the veterans' whatever its skill, and it would be the next one culled (`python -m
-        bench.selection`, fair-coin games at 2T2S, K=5, 6 games per step: the previous child was
-        replaced 81 % of the time, 50 % by chance; 45 % with `min_games=100`). The games it
+        bench.selection`, fair-coin games at 2T2S, K=5, 12 games per step: the previous child was
+        replaced 70 % of the time, 50 % by chance; 48 % with `min_games=100`). The games it
         plays before it can be judged bring its sigma down towards the veterans'."""
         return member in self.children and self.games.get(member, 0) < self.min_games
 
