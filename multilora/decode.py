@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from multilora.reply_format import FormatCursor
+from multilora.reply_format import FormatCursor, format_logits
 
 
 # Prompts prefilled together: at most this many padded tokens per batch (activation memory).
@@ -241,25 +241,53 @@ class Decoder:
         cache.bias[:rows] = cache.bias[source]
 
 
+# Nucleus sampling looks for the nucleus among this many most likely tokens first, and
+# sorts the whole vocabulary only for rows whose nucleus is larger.
+NUCLEUS_CANDIDATES = 64
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: greedy where temperature == 0, else nucleus sampling (the smallest
-    set of tokens whose probability mass reaches top_p, Holtzman et al. 2020)."""
+    """One token per row: greedy where temperature == 0, else nucleus sampling: the smallest
+    set of most likely tokens whose probability mass reaches top_p (Holtzman et al. 2020),
+    sampled in proportion to their probabilities.
+
+    Speed on CPU (16 rows x 49k vocabulary, 1 thread): argmax and softmax run in fp32
+    (bf16 argmax was 14x slower); the nucleus is found with `topk(64)` (exact whenever
+    those 64 hold top_p of the mass, else that row sorts the whole vocabulary: a full sort
+    was 355 ms per step); rows without a nucleus cut sample by the exponential race
+    (argmax of p / E, E ~ Exp(1), which picks token i with probability p_i) instead of
+    `multinomial` over the vocabulary (3x slower)."""
+    logits = logits.float()
     greedy = logits.argmax(dim=-1)
-    if not bool((temperature > 0).any()):  # an all-greedy batch needs no sort over the vocabulary
+    sampling = temperature > 0
+    if not bool(sampling.any()):  # an all-greedy batch needs no probabilities
         return greedy
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
-    if bool((top_p >= 1.0).all()):  # no nucleus cut: no sort either
-        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        return torch.where(temperature > 0, sampled, greedy)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    pick = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
-    sampled = order.gather(1, pick[:, None]).squeeze(1)
-    return torch.where(temperature > 0, sampled, greedy)
+    temp = torch.where(sampling, temperature, torch.ones_like(temperature))
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    sampled = greedy.clone()
+    whole = (sampling & (top_p >= 1.0)).nonzero().squeeze(1)
+    if whole.numel():
+        # E = -log U ~ Exp(1) (torch's own exponential_ was 4x slower than rand here)
+        race = torch.rand(probs[whole].shape, generator=generator, device=probs.device).log_().neg_()
+        sampled[whole] = (probs[whole] / race).argmax(dim=-1)
+    cut = (sampling & (top_p < 1.0)).nonzero().squeeze(1)
+    if cut.numel():
+        p_cut = top_p[cut][:, None]
+        k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+        values, order = probs[cut].topk(k, dim=-1)  # sorted, descending
+        wider = values.sum(dim=-1, keepdim=True) < p_cut  # the nucleus reaches past the k candidates
+        if bool(wider.any()):
+            rows = wider.squeeze(1).nonzero().squeeze(1)
+            full_values, full_order = probs[cut[rows]].sort(dim=-1, descending=True)
+            values = torch.cat([values, values.new_zeros(len(cut), probs.shape[-1] - k)], dim=1)
+            order = torch.cat([order, order.new_zeros(len(cut), probs.shape[-1] - k)], dim=1)
+            values[rows], order[rows] = full_values, full_order
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        outside = values.cumsum(dim=-1) - values >= p_cut
+        pick = torch.multinomial(values.masked_fill(outside, 0.0), 1, generator=generator)
+        sampled[cut] = order.gather(1, pick).squeeze(1)
+    return sampled
 
 
 def _hits_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> bool:
@@ -284,7 +312,6 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
     device = dec.device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id})
-    eos_index = torch.tensor(eos_ids, device=device)
     has_slots = hasattr(model, "slots_for")
     encoded: dict[str, list[int]] = {}
 
@@ -368,13 +395,11 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
             live = [s for s in range(width) if slot_row[s] is not None]
             if not live:
                 break
-            logits = logits_buf[:width]
-            log_norm = torch.logsumexp(logits.float(), dim=-1)
-            unfinished = [s for s in live if slot_row[s].cursor is not None and not slot_row[s].cursor.finished_sections]
-            sample_from = logits
-            if unfinished:  # a row may not end before its format's sections are closed
-                sample_from = logits.clone()
-                sample_from[torch.tensor(unfinished, device=device)[:, None], eos_index[None, :]] = float("-inf")
+            logits = logits_buf[:width].float()
+            log_norm = torch.logsumexp(logits, dim=-1)
+            # a row may not end before its format is closed, nor open a section with a banned character
+            sample_from = format_logits(logits, [slot_row[s].cursor if slot_row[s] is not None else None
+                                                 for s in range(width)], tokenizer, eos_ids)
             tokens = sample(sample_from, temperature[:width], top_p[:width], generator).tolist()
             forced = [False] * width
             for s in live:
@@ -382,7 +407,7 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
                 if cursor is not None and cursor.pending:
                     tokens[s], forced[s] = cursor.take_supplied(), True
             token_t = torch.tensor(tokens, dtype=torch.long, device=device)
-            picked = (logits.gather(1, token_t[:, None]).squeeze(1).float() - log_norm).tolist()
+            picked = (logits.gather(1, token_t[:, None]).squeeze(1) - log_norm).tolist()
             freed = []
             for s in live:
                 row, tok = slot_row[s], tokens[s]

@@ -147,3 +147,19 @@ def test_bf16_base_agrees_with_the_reference(tiny_model_path, tokenizer):
     # exactly, and every row agrees on its first tokens
     assert sum(a == b for a, b in rows) >= 0.8 * len(rows), rows
     assert all(a[:2] == b[:2] for a, b in rows), rows
+
+
+@pytest.mark.parametrize("top_p, expected", [(1.0, [0.5, 0.25, 0.15, 0.1, 0.0]),  # exponential race
+                                             (0.7, [0.5 / 0.75, 0.25 / 0.75, 0, 0, 0])])  # nucleus {0, 1}
+def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
+    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", 3)  # the nucleus search and its full-sort fallback
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    rows = 8000
+    logits = probs.clamp(min=1e-30).log().expand(rows, -1)
+    tokens = decode_mod.sample(logits, torch.ones(rows), torch.full((rows,), top_p), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=5).float() / rows
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.02), freq
+    if top_p < 1:  # a nucleus wider than the candidates falls back to the full sort
+        wide = decode_mod.sample(logits, torch.ones(rows), torch.full((rows,), 0.95), torch.Generator().manual_seed(0))
+        freq = torch.bincount(wide, minlength=5).float() / rows
+        assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1, 0]) / 1.0, atol=0.02), freq
