@@ -81,11 +81,6 @@ class _Row:
     reason: str = "length"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class _Cache:
     """Static keys/values of `rows` slots x `length` positions for every layer."""
 
@@ -123,7 +118,11 @@ class Decoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = getattr(rotary, "attention_scaling", 1.0)
         self.cos = (emb.cos() * scaling).to(self.dtype)  # [T, head_dim]
-        self.sin = (emb.sin() * scaling).to(self.dtype)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin_1, sin_2]: one roll instead of two
+        # slices, a negation and a cat per use (the negation is exact, so are the values)
+        sin = (emb.sin() * scaling).to(self.dtype)
+        half = self.head_dim // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.arange = torch.arange(rows, device=self.device)
 
     def _attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
@@ -133,8 +132,9 @@ class Decoder:
         q = attn.q_proj(x).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        half = self.head_dim // 2
+        q = q * cos + q.roll(half, dims=-1) * sin  # rotary positions (Su et al. 2021), as the model's
+        k = k * cos + k.roll(half, dims=-1) * sin
         o = attend(i, q, k, v, write)
         o = o.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim)
         h = h + attn.o_proj(o)
