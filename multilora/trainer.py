@@ -101,7 +101,10 @@ class PolicyTrainer:
         # steps (with zero gradients), which keeps the update identical to the full one.
         samples = [s for s in samples if s.advantage != 0.0]
         batches = micro_batches(samples, self.settings.micro_batch)
-        old = self._old_logprobs(samples, batches)
+        # pi_old: with one epoch it is the policy of the first (only) pass itself, so its
+        # log-probs are that pass's own, detached (ratio 1): one forward pass fewer, the
+        # same update. More epochs need them fixed before the first step.
+        old = self._old_logprobs(samples, batches) if self.settings.epochs > 1 else None
         stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.model.train()
         for _ in range(self.settings.epochs):
@@ -111,7 +114,7 @@ class PolicyTrainer:
                 adapters = [samples[i].adapter for i in idx]
                 packed = pack_samples(samples, idx, self.pad_id)
                 logp = token_logprobs(self.model, packed, adapters)
-                old_logp = torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
+                old_logp = logp.detach() if old is None else torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
                 adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
                 per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask.to(logp.device),
                                             self.settings.clip_eps)
