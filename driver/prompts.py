@@ -66,6 +66,19 @@ def teacher_prompt(task_type: str, references: Sequence[Task], induction_inputs:
     as its inputs."""
     think = [_think(task_type)] if reasoning else []
     reply_think = ["<think>", "...", "</think>"] if reasoning else []
+    if task_type == "code_f" and constrained:  # the inputs first and plainly: the 135M model wrote prose in them
+        ref = references[0]
+        example = ref.inputs[0] if ref.inputs else (ref.input or "")
+        return "\n".join([
+            f"## Task: choose {induction_inputs} different inputs for the function `f` below.",
+            _fence("python", ref.program),
+            f"An input is the text inside the parentheses of a call. For the call f({example}) the input is:",
+            _fence("input", example),
+            *think,
+            f"Reply with {induction_inputs} new inputs of that kind, all different, each on one line in its own "
+            "```input block. Then write a one-line hint at what f does in a ```message block: a student will see "
+            "some of your inputs with their outputs and your hint, and must write f again.",
+        ])
     if task_type == "code_f":
         ref = references[0]
         example = ref.inputs[0] if ref.inputs else (ref.input or "")
