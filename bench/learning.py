@@ -1,10 +1,13 @@
 """Does the default run learn? The default local config trained for a fixed number of steps
 on two seeds, and the figures that say whether a population learns.
 
-    python -m bench.learning [--quick | --smoke] [--steps N] [--seeds 0,1] [--set key=value ...]
+    python -m bench.learning [--quick | --smoke] [--steps N] [--seeds 0,1] [--sequential] [--set key=value ...]
 
 Each seed is one real run (`driver.loop.train`: Ray actors, the 135M model, the sandbox),
-written under a temporary directory. Printed as one JSON line, also written to
+written under a temporary directory. The seeds run side by side, each in its own process
+and Ray instance with one torch thread (`ray.torch_threads=1`: on 2 cores that beats one
+run after the other with 2 threads each); `--sequential` runs them one after the other
+with the config's threads. Printed as one JSON line, also written to
 ``bench/results/learning.json``:
 
 - `valid_rate_first_step`: valid proposals / proposals at step 1 (both seeds);
@@ -26,7 +29,10 @@ random model (configs/test.yaml), 3 steps, seconds per seed; its figures mean no
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -59,6 +65,32 @@ def run_seed(config: Path, seed: int, steps: int, overrides: list[str], out: Pat
     if ray.is_initialized():
         ray.shutdown()
     return summaries, pq.read_table(run / "tasks.parquet").to_pylist()
+
+
+def run_seed_to_file(config: Path, seed: int, steps: int, overrides: list[str], out: Path, dump: Path) -> None:
+    """`run_seed` in this process, its results written as JSON to `dump` (for --parallel)."""
+    summaries, tasks = run_seed(config, seed, steps, overrides, out)
+    keep = ("step", "task_type", "valid", "reason")
+    dump.write_text(json.dumps({"summaries": summaries, "tasks": [{k: t[k] for k in keep} for t in tasks]}))
+
+
+def run_seeds_side_by_side(config: Path, seeds: list[int], steps: int, overrides: list[str],
+                           out: Path) -> dict[int, tuple[list[dict], list[dict]]]:
+    """One process per seed, all at once; each with one torch thread."""
+    procs = {}
+    for seed in seeds:
+        dump = out / f"seed{seed}.json"
+        cmd = [sys.executable, "-m", "bench.learning", "--child", str(seed), "--child-dump", str(dump),
+               "--child-config", str(config), "--steps", str(steps), "--child-out", str(out),
+               *[a for o in ["ray.torch_threads=1", *overrides] for a in ("--set", o)]]
+        procs[seed] = (subprocess.Popen(cmd, cwd=ROOT), dump)
+    results = {}
+    for seed, (proc, dump) in procs.items():
+        if proc.wait() != 0:
+            raise RuntimeError(f"the run of seed {seed} failed (exit {proc.returncode})")
+        data = json.loads(dump.read_text())
+        results[seed] = (data["summaries"], data["tasks"])
+    return results
 
 
 def _rate(rows: list[dict]) -> float | None:
@@ -120,17 +152,28 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1", help="comma-separated run seeds")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every seed (as `populora train --set`)")
+    parser.add_argument("--sequential", action="store_true", help="one seed after the other, in this process")
+    for name in ("--child", "--child-dump", "--child-config", "--child-out"):  # one seed of a side-by-side run
+        parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        run_seed_to_file(Path(args.child_config), int(args.child), args.steps, args.overrides, Path(args.child_out),
+                         Path(args.child_dump))
+        return
     config = ROOT / ("configs/test.yaml" if args.smoke else "configs/local.yaml")
     steps = args.steps or (3 if args.smoke else 9)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     overrides = list(args.overrides) + (["population.evolve_every=0"] if args.smoke else [])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="populora-learning-") as out:
-        per_seed = {seed: run_seed(config, seed, steps, overrides, Path(out)) for seed in seeds}
+        if args.sequential or len(seeds) == 1:
+            per_seed = {seed: run_seed(config, seed, steps, overrides, Path(out)) for seed in seeds}
+        else:
+            per_seed = run_seeds_side_by_side(config, seeds, steps, overrides, Path(out))
     result = summarise(per_seed, steps)
     result.update({"config": str(config.relative_to(ROOT)), "steps": steps, "seeds": seeds,
-                   "overrides": overrides, "total_seconds": time.perf_counter() - start, "smoke": args.smoke})
+                   "overrides": overrides, "side_by_side": not args.sequential and len(seeds) > 1,
+                   "total_seconds": time.perf_counter() - start, "smoke": args.smoke})
     write_result("learning", result)
 
 
