@@ -59,12 +59,14 @@ def run_seed(config: Path, seed: int, steps: int, overrides: list[str], out: Pat
     from driver.loop import train
 
     cfg = load_config(config, [f"run.seed={seed}", f"run.steps={steps}", f"run.name=learning-seed{seed}",
-                               f"run.output_dir={out}", "run.checkpoint_every=0", *overrides])
-    summaries: list[dict] = []
-    run = train(cfg, on_step=lambda step, ctx: summaries.append({"step": step, **ctx.summaries[-1]}))
+                               f"run.output_dir={out}", "run.checkpoint_every=1", *overrides])
+    # keyed by step: after an actor failure the run goes back to its last checkpoint and
+    # replays the steps after it (their tables are rolled back likewise)
+    summaries: dict[int, dict] = {}
+    run = train(cfg, on_step=lambda step, ctx: summaries.__setitem__(step, {"step": step, **ctx.summaries[-1]}))
     if ray.is_initialized():
         ray.shutdown()
-    return summaries, pq.read_table(run / "tasks.parquet").to_pylist()
+    return [summaries[k] for k in sorted(summaries)], pq.read_table(run / "tasks.parquet").to_pylist()
 
 
 def run_seed_to_file(config: Path, seed: int, steps: int, overrides: list[str], out: Path, dump: Path) -> None:
