@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench setup system-deps model clean-venv
+.PHONY: run test test-slow bench bench-learning setup system-deps model clean-venv
 .PHONY: vllm test-backends
 
 run: setup
@@ -24,6 +24,10 @@ bench: setup
 	$(BIN)/python -m bench.learner --quick
 	$(BIN)/python -m bench.sync --quick
 	$(BIN)/python -m bench.memory --quick
+
+# Does the default run learn? 2 seeds of configs/local.yaml side by side (~25 min here).
+bench-learning: setup
+	$(BIN)/python -m bench.learning --quick
 
 setup: $(STAMP) system-deps model
 
