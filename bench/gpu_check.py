@@ -32,7 +32,6 @@ written to ``bench/results/gpu_check.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -41,8 +40,7 @@ import torch
 
 from bench import write_result
 from multilora.generation import GenerationRequest, SamplingParams, generate
-from multilora.layer import Routing
-from multilora.model import LoraSpec, MultiLoraModel
+from multilora.model import BareModel, LoraSpec, MultiLoraModel
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -80,24 +78,6 @@ class IdTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [int(t) for t in text.split()]
-
-
-class BareModel:
-    """The base model behind the generation loop's `route` interface, no LoRA layers."""
-
-    def __init__(self, base: torch.nn.Module) -> None:
-        self.base, self.routing = base, Routing()
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.base.parameters()).device
-
-    @contextlib.contextmanager
-    def route(self, names):
-        yield
-
-    def __call__(self, *args, **kwargs):
-        return self.base(*args, **kwargs)
 
 
 def sync(device: str) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import copy
 import os
 import statistics
@@ -46,8 +45,7 @@ from bench import write_result
 from bench.evolution import make_adapter
 from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, SamplingParams, generate
-from multilora.layer import Routing
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model, resolve_dtype
+from multilora.model import BareModel, LoraSpec, MultiLoraModel, load_base_model, resolve_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -71,25 +69,6 @@ def prompt_texts(count: int) -> list[str]:
     """User messages of varied length (left padding is exercised)."""
     return [f"Write a short Python function about {TOPICS[i % len(TOPICS)]}." + " Explain it." * (i % 4)
             for i in range(count)]
-
-
-class _Bare:
-    """The base model behind the generation loop's `route` interface: no LoRA at all."""
-
-    def __init__(self, base: torch.nn.Module) -> None:
-        self.base = base
-        self.routing = Routing()  # slots stay None: base rows only
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.base.parameters()).device
-
-    @contextlib.contextmanager
-    def route(self, names):
-        yield
-
-    def __call__(self, *args, **kwargs):
-        return self.base(*args, **kwargs)
 
 
 def ours_runner(model, tokenizer, ids: list[tuple[int, ...]], names: list[str], params: SamplingParams,
@@ -290,7 +269,7 @@ def main() -> None:
 
     runners: dict[str, Callable[[], list[tuple[int, ...]]]] = {
         "hf_bf16_none": hf_runner(base_bf16, tokenizer, ids, params),
-        "ours_none": ours_runner(_Bare(base), tokenizer, ids, single, params),
+        "ours_none": ours_runner(BareModel(base), tokenizer, ids, single, params),
         "ours_single": ours_runner(ours, tokenizer, ids, single, params),
         mixed_key: ours_runner(ours, tokenizer, ids, mixed, params),
     }

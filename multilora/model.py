@@ -92,6 +92,26 @@ def load_base_model(path: str | Path, dtype: torch.dtype | str = torch.float32, 
     return model.to(device)
 
 
+class BareModel:
+    """The base model behind `MultiLoraModel`'s routing interface, with no LoRA layers at
+    all (benchmarks: the bare-model reference through the same generation loop)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        self.base = base
+        self.routing = Routing()  # slots stay None: base rows only
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    @contextlib.contextmanager
+    def route(self, names: Sequence[str] | None) -> Iterator[None]:
+        yield
+
+    def __call__(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+
 class MultiLoraModel(nn.Module):
     """`base` with `n_slots` LoRA adapters of one spec, routed per row of a batch."""
 
