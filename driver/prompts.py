@@ -141,6 +141,10 @@ def answer_prefix(role: str, task_type: str, reasoning: bool = False) -> str:
     return "<answer>\n```python\ndef f(" if task_type == "code_f" else "<answer>"
 
 
+# how a literal argument list can open: a number, a container, a string, True, False, None
+INPUT_OPENERS = (*"0123456789-[({'\"", "True", "False", "None")
+
+
 def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning: bool = False) -> ReplyFormat:
     """The reply format whose fixed text the generator supplies (`tasks.constrained_format`):
     the model writes only the contents (`multilora.reply_format`). Its opening is the reply
@@ -156,6 +160,12 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     Inputs and the message are one line each: the model's newline closes them (a 135M
     model otherwise runs on inside an input block until its token budget ends: 62 of the
     116 invalid proposals of the default run before this format had no closed input block).
+    A teacher's input opens like a Python literal (`INPUT_OPENERS`) and holds no backtick or
+    `#`; a code_f teacher's inputs may not repeat one another. These shape only what can be
+    written: the verifier's rules decide validity as before. On the base 135M model (12
+    code_f proposals, T=0.7, seed references) 11 of 12 failed on repeated inputs before; with
+    these rules 1 of 12 was valid, and the failures moved to the inputs themselves (4 did
+    not fit the signature, 4 were not literals, 3 ran on to the token budget).
     """
     if role == "teacher" and task_type == "code_f":
         leads = ["<answer>\n```input\n"] + ["```\n```input\n"] * (induction_inputs - 1) + ["```\n```message\n"]
@@ -166,11 +176,23 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
         leads, ends, closing = ["<answer>\n```python\ndef f("], ["```"], "\n</answer>"
     else:
         leads, ends, closing = ["<answer>"], ["</answer>"], ""
-    # a section never starts with its end; one-line sections not with a fence either
-    not_first = ["`" if end == "\n" else "" for end in ends]
+    # a section never starts with its end; one-line sections never hold a backtick (the model
+    # wrote "```" inside input lines, which the free-text parser then read as the block's end)
+    never = ["`" if end == "\n" else "" for end in ends]
+    # a code_f teacher's inputs must be distinct (`parse_proposal`): an input line may not end
+    # while it repeats an earlier one (the 135M model wrote its first input 4 times over)
+    distinct = ["input"] * induction_inputs + [""] if role == "teacher" and task_type == "code_f" else [""] * len(ends)
+    # a teacher's input opens like a Python literal (half the first code_f inputs were prose)
+    inputs = range(induction_inputs) if task_type == "code_f" else [1]
+    openers = [INPUT_OPENERS if role == "teacher" and i in inputs else () for i in range(len(ends))]
+    # ... and is one literal argument list: no comment after it (the model went on "# Output: ...")
+    never = [n + "#" if opening else n for n, opening in zip(never, openers)]
     if reasoning:
-        leads, ends, not_first = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends], ["", *not_first]
-    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing, tuple(not_first))
+        leads, ends = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends]
+        never, distinct, openers = ["", *never], ["", *distinct], [(), *openers]
+    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing, (),
+                       tuple(distinct) if any(distinct) else (), tuple(never) if any(never) else (),
+                       tuple(openers) if any(openers) else ())
 
 
 def student_prompt(task: Task, reasoning: bool = False) -> str:

@@ -18,6 +18,12 @@ it, never trained on). The rest is the generator's job, in both backends:
 - vllm: the same language as a regular expression (`ReplyFormat.regex`) through vLLM's
   structured outputs, which forces the fixed text and forbids stopping early.
 
+Per section a format may also say what its content opens with (`openers`), which
+characters it never holds (`never`) and that it may not repeat an earlier section of its
+group (`distinct`; one-line sections only). hf applies all of them in `format_logits`; the
+vLLM regex carries the first two, a per-request logits processor the third
+(`multilora.vllm_distinct`), both through the same `repeat_bans`.
+
 Supplied tokens are context, not the model's choice: `supplied_mask` marks them so that
 the learner leaves them out of the loss.
 """
@@ -42,6 +48,16 @@ class ReplyFormat:
     # per section: characters its content may not start with (besides its end's first one,
     # which is never allowed first: a section's content is never empty); "" for none
     not_first: tuple[str, ...] = ()
+    # per section: a group name ("" for none); sections of one group may not repeat an
+    # earlier one's content (stripped). Only for sections with a one-character end (one-line
+    # inputs): the line may not end while it equals an earlier line of its group.
+    distinct: tuple[str, ...] = ()
+    # per section: characters its content may never contain ("" for none): a one-line
+    # input never holds a fence, so the free-text parser reads back what the generator closed
+    never: tuple[str, ...] = ()
+    # per section: the texts its content may open with, leading spaces aside (() for any):
+    # an input opens like a Python literal, not with prose
+    openers: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ends:
@@ -52,10 +68,34 @@ class ReplyFormat:
             raise ValueError("every section needs a non-empty end text")
         if self.not_first and len(self.not_first) != len(self.ends):
             raise ValueError(f"not_first names {len(self.not_first)} sections of {len(self.ends)}")
+        if self.never and len(self.never) != len(self.ends):
+            raise ValueError(f"never names {len(self.never)} sections of {len(self.ends)}")
+        if any(c in e for n, e in zip(self.never, self.ends) for c in n):
+            raise ValueError("a section's end may not use a character its content may never contain")
+        if self.openers and len(self.openers) != len(self.ends):
+            raise ValueError(f"openers name {len(self.openers)} sections of {len(self.ends)}")
+        if any(o[:1] in self.banned_first(i) for i, group in enumerate(self.openers) for o in group):
+            raise ValueError("an opener may not start with a character its section may not start with")
+        if self.distinct and len(self.distinct) != len(self.ends):
+            raise ValueError(f"distinct names {len(self.distinct)} sections of {len(self.ends)}")
+        if any(g and len(e) != 1 for g, e in zip(self.distinct, self.ends)):
+            raise ValueError("only sections with a one-character end (one-line sections) can be distinct")
 
     def banned_first(self, section: int) -> str:
         """Characters the content of `section` may not start with."""
-        return self.ends[section][0] + (self.not_first[section] if self.not_first else "")
+        return self.ends[section][0] + (self.not_first[section] if self.not_first else "") + self.never_in(section)
+
+    def openers_of(self, section: int) -> tuple[str, ...]:
+        """The texts the content of `section` may open with (() for any)."""
+        return self.openers[section] if self.openers else ()
+
+    def never_in(self, section: int) -> str:
+        """Characters the content of `section` may never contain."""
+        return self.never[section] if self.never else ""
+
+    def group(self, section: int) -> str:
+        """The distinct-content group of `section` ("" for none)."""
+        return self.distinct[section] if self.distinct else ""
 
     def supplied_after(self, section: int) -> str:
         """The fixed text the generator supplies once section `section` is closed."""
@@ -74,15 +114,19 @@ class ReplyFormat:
         each content is any text that does not contain its end."""
         parts = []
         for i, end in enumerate(self.ends):
-            first = "[ ]*[^ " + "".join(_class_escape(c) for c in dict.fromkeys(self.banned_first(i))) + "]"
-            parts += [first, _content_without(end), _escape(end), _escape(self.supplied_after(i))]
+            if self.openers_of(i):
+                first = "[ ]?(?:" + "|".join(_escape(o) for o in self.openers_of(i)) + ")"
+            else:
+                first = "[ ]?[^ " + "".join(_class_escape(c) for c in dict.fromkeys(self.banned_first(i))) + "]"
+            parts += [first, _content_without(end, self.never_in(i)), _escape(end), _escape(self.supplied_after(i))]
         return "".join(parts)
 
 
-def _content_without(end: str) -> str:
+def _content_without(end: str, never: str = "") -> str:
     """A regex for text not containing `end`: no prefix of `end` longer than its first
     character may be followed by anything but the rest (prefix-closed, so a regex engine
-    without look-ahead, as in grammar backends, accepts it).
+    without look-ahead, as in grammar backends, accepts it). `never`: characters the text
+    may not contain at all.
 
     For "```": (?:[^`]|`[^`]|``[^`])*  — content may not end in a backtick either. A
     partial end may not be followed by the end's first character ("<<" is refused before
@@ -90,7 +134,7 @@ def _content_without(end: str) -> str:
     """
     options = []
     for k in range(len(end)):
-        refused = dict.fromkeys(end[k] + (end[0] if k else ""))
+        refused = dict.fromkeys(end[k] + (end[0] if k else "") + never)
         options.append(_escape(end[:k]) + "[^" + "".join(_class_escape(c) for c in refused) + "]")
     return "(?:" + "|".join(options) + ")*"
 
@@ -115,6 +159,7 @@ class FormatCursor:
         self.fmt = fmt
         self.section = 0
         self.content = ""  # text of the current section so far (model's tokens only)
+        self.contents: list[str] = []  # the finished sections' contents, stripped
         self.pending: list[int] = []
         self.done = False
 
@@ -133,6 +178,7 @@ class FormatCursor:
             if supplied.startswith(overrun):
                 supplied = supplied[len(overrun):]
             self.section += 1
+            self.contents.append(self.content[:at].strip())
             self.content = ""
             self.pending = list(encode(supplied)) if supplied else []
             if self.section == len(self.fmt.ends) and not self.pending:
@@ -145,6 +191,25 @@ class FormatCursor:
             return ""
         return self.fmt.banned_first(self.section)
 
+    def openers_now(self) -> tuple[str, ...]:
+        """What the next sampled token must open with (() for anything): a section's first token."""
+        if self.pending or self.content or self.finished_sections:
+            return ()
+        return self.fmt.openers_of(self.section)
+
+    def never_now(self) -> str:
+        """Characters no sampled token may contain now ("" for none)."""
+        if self.pending or self.finished_sections:
+            return ""
+        return self.fmt.never_in(self.section)
+
+    def repeat_bans(self, tokenizer) -> list[int]:
+        """Token ids the next sampled token may not be: those that would close a distinct
+        section while it repeats an earlier one of its group."""
+        if self.pending or self.finished_sections:
+            return []
+        return repeat_bans(self.fmt, self.section, self.contents, self.content, tokenizer)
+
     def take_supplied(self) -> int:
         token = self.pending.pop(0)
         if not self.pending and self.section == len(self.fmt.ends):
@@ -156,30 +221,118 @@ class FormatCursor:
         return self.section == len(self.fmt.ends)
 
 
+def _one_space_aside(text: str) -> str:
+    return text[1:] if text.startswith(" ") else text
+
+
 _FIRST_CHAR_BANS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def tokens_starting_with(tokenizer, chars: str) -> torch.Tensor:
-    """Bool `[vocab]`: token ids whose text, leading spaces aside, starts with one of `chars`
-    or is empty (special tokens, whitespace); computed once per tokenizer and character set."""
+    """Bool `[vocab]`: token ids whose text, one leading space aside, starts with one of `chars`,
+    with a space or is empty (special tokens); computed once per tokenizer and character set.
+    The regex's `[ ]?` is the same rule (one optional space, then the first character)."""
     key = (id(tokenizer), chars)
     if key not in _FIRST_CHAR_BANS:
         size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
         texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
-        _FIRST_CHAR_BANS[key] = torch.tensor([not t.lstrip() or t.lstrip()[0] in chars for t in texts],
-                                             dtype=torch.bool)
+        firsts = [_one_space_aside(t)[:1] for t in texts]
+        _FIRST_CHAR_BANS[key] = torch.tensor([not c or c == " " or c in chars for c in firsts], dtype=torch.bool)
     return _FIRST_CHAR_BANS[key]
+
+
+_CONTAINING: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def tokens_containing(tokenizer, chars: str) -> torch.Tensor:
+    """Bool `[vocab]`: token ids whose text contains one of `chars`; once per tokenizer and set."""
+    key = (id(tokenizer), chars)
+    if key not in _CONTAINING:
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        _CONTAINING[key] = torch.tensor([any(c in t for c in chars) for t in texts], dtype=torch.bool)
+    return _CONTAINING[key]
+
+
+_OPENING: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+
+
+def tokens_opening_with(tokenizer, openers: tuple[str, ...]) -> torch.Tensor:
+    """Bool `[vocab]`: token ids whose text, one leading space aside, starts with one of
+    `openers` (a token shorter than an opener does not: "T" is not "True"; the hf loop is
+    the stricter of the two backends there, the language is the same)."""
+    key = (id(tokenizer), openers)
+    if key not in _OPENING:
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        _OPENING[key] = torch.tensor([_one_space_aside(t).startswith(openers) for t in texts], dtype=torch.bool)
+    return _OPENING[key]
+
+
+_CLOSERS: dict[tuple[int, str], dict[int, str]] = {}
+
+
+def closing_tokens(tokenizer, end: str) -> dict[int, str]:
+    """Token ids whose text contains the one-character `end`, each with its text before
+    it; computed once per tokenizer and end."""
+    key = (id(tokenizer), end)
+    if key not in _CLOSERS:
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        _CLOSERS[key] = {i: t[: t.index(end)] for i, t in enumerate(texts) if end in t}
+    return _CLOSERS[key]
+
+
+def repeat_bans(fmt: ReplyFormat, section: int, contents: Sequence[str], current: str, tokenizer) -> list[int]:
+    """Token ids that would close `section` (model text so far: `current`) with a content
+    equal, stripped, to an earlier content of its distinct group (`contents`: the finished
+    sections' contents, stripped). Shared by both backends (hf decode loops, vLLM logits
+    processor), so they refuse the same replies."""
+    group = fmt.group(section)
+    if not group:
+        return []
+    earlier = {c for i, c in enumerate(contents) if fmt.group(i) == group}
+    head = current.strip()
+    if not any(e.startswith(head) for e in earlier):  # no earlier content can be completed
+        return []
+    return [t for t, before in closing_tokens(tokenizer, fmt.ends[section]).items()
+            if (current + before).strip() in earlier]
+
+
+def format_state(fmt: ReplyFormat, text: str) -> tuple[int, list[str], str] | None:
+    """(section, finished contents stripped, current content) for a reply `text` after the
+    opening, as `FormatCursor` tracks it; None inside supplied text or after the format
+    (for an engine that reports only the text so far: vLLM)."""
+    contents, pos = [], 0
+    for i, end in enumerate(fmt.ends):
+        at = text.find(end, pos)
+        if at < 0:
+            return i, contents, text[pos:]
+        contents.append(text[pos:at].strip())
+        pos = at + len(end)
+        supplied = fmt.supplied_after(i)
+        if not text.startswith(supplied, pos):
+            return None
+        pos += len(supplied)
+    return None
 
 
 def format_logits(logits: torch.Tensor, cursors: Sequence[FormatCursor | None], tokenizer,
                   eos_ids: Sequence[int]) -> torch.Tensor:
     """The logits to sample from for rows in `cursors` order (None: no format): end of
-    sequence masked while a format is unfinished, and a section's first token may not
-    start with a banned character. `logits` itself is not changed."""
+    sequence masked while a format is unfinished, a section's first token may not start
+    with a banned character and must open with one of its openers, no token may hold a character its section never contains,
+    and a distinct section may not close on an earlier content. `logits` itself is not changed."""
     unfinished = [k for k, c in enumerate(cursors) if c is not None and not c.finished_sections]
     bans = [(k, c.banned_now()) for k, c in enumerate(cursors) if c is not None]
     bans = [(k, chars) for k, chars in bans if chars]
-    if not unfinished and not bans:
+    repeats = [(k, ids) for k, c in enumerate(cursors) if c is not None and c.fmt.distinct
+               for ids in [c.repeat_bans(tokenizer)] if ids]
+    nevers = [(k, chars) for k, c in enumerate(cursors) if c is not None and c.fmt.never
+              for chars in [c.never_now()] if chars]
+    openings = [(k, o) for k, c in enumerate(cursors) if c is not None and c.fmt.openers
+                for o in [c.openers_now()] if o]
+    if not unfinished and not bans and not repeats and not nevers and not openings:
         return logits
     out = logits.clone()
     if unfinished:
@@ -188,6 +341,15 @@ def format_logits(logits: torch.Tensor, cursors: Sequence[FormatCursor | None], 
     for k, chars in bans:
         banned = tokens_starting_with(tokenizer, chars).to(logits.device)
         out[k, : banned.shape[0]] = out[k, : banned.shape[0]].masked_fill(banned[: out.shape[1]], float("-inf"))
+    for k, openers in openings:
+        allowed = tokens_opening_with(tokenizer, openers).to(logits.device)
+        out[k, : allowed.shape[0]] = out[k, : allowed.shape[0]].masked_fill(~allowed[: out.shape[1]], float("-inf"))
+        out[k, allowed.shape[0]:] = float("-inf")  # ids past the tokenizer's (a padded vocabulary)
+    for k, chars in nevers:
+        banned = tokens_containing(tokenizer, chars).to(logits.device)
+        out[k, : banned.shape[0]] = out[k, : banned.shape[0]].masked_fill(banned[: out.shape[1]], float("-inf"))
+    for k, ids in repeats:
+        out[k, torch.tensor(ids, device=logits.device)] = float("-inf")
     return out
 
 

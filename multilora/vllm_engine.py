@@ -84,6 +84,8 @@ class VLLMEngine(ChatEngineMixin):
         from transformers import AutoTokenizer
         from vllm import LLM
 
+        from multilora.vllm_distinct import DistinctSections
+
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)  # "auto": bf16 where the hardware has it (as ours)
         dtype = str(self.dtype).removeprefix("torch.")
@@ -95,6 +97,8 @@ class VLLMEngine(ChatEngineMixin):
             enable_lora=True, max_loras=n_slots, max_cpu_loras=n_slots, max_lora_rank=max_lora_rank(spec.rank),
             max_num_seqs=max_batch,
             generation_config="vllm",  # our SamplingParams are the whole truth, not the model's defaults
+            # a reply format's distinct sections (a regex cannot say "differs from the line above")
+            logits_processors=[DistinctSections],
         )
         if not on_gpu:
             options.update(distributed_executor_backend="uni", enforce_eager=True,
@@ -151,6 +155,8 @@ class VLLMEngine(ChatEngineMixin):
         import vllm
         from vllm.sampling_params import StructuredOutputsParams
 
+        from multilora.vllm_distinct import EXTRA_ARG, format_to_extra_arg
+
         fmt = params.reply_format
         return vllm.SamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
@@ -159,6 +165,7 @@ class VLLMEngine(ChatEngineMixin):
             # the reply format as a regular expression: vLLM forces its fixed text and
             # forbids ending early (the hf engine supplies the same text in its decode loop)
             structured_outputs=StructuredOutputsParams(regex=fmt.regex()) if fmt is not None else None,
+            extra_args={EXTRA_ARG: format_to_extra_arg(fmt)} if fmt is not None and fmt.distinct else None,
             logprobs=0,  # the sampled token's log-prob, from the raw logits (vLLM's default mode)
             # one seed per request from the engine's generator: a run replays exactly;
             # vLLM gives the n samples of a request the seeds seed, seed+1, ...

@@ -157,6 +157,34 @@ def test_reply_format_is_supplied_and_masked(engine):
             assert re.fullmatch(fmt.regex(), c.text), c.text
 
 
+def test_distinct_sections_never_repeat(engine):
+    """A distinct section may not close on an earlier content of its group (code_f inputs):
+    hf in its decode loop, vllm through a per-request logits processor; without the rule
+    the greedy random model repeats its first section (hf; vLLM's grammar forbids tokens
+    running past an end, so its greedy replies close fewer sections)."""
+    import dataclasses
+
+    from multilora.reply_format import ReplyFormat
+
+    fmt = ReplyFormat("", ("e",) * 4, (">",) * 3, "<", distinct=("g",) * 4, openers=(("1",),) * 4)
+
+    def contents(text):
+        return [seg[: seg.index("e")].strip() for seg in text.split(">") if "e" in seg]
+
+    def replies(f, temperature, n):
+        engine.generator.manual_seed(0)
+        outs = engine.generate(["a", "b"], PROMPTS, [SamplingParams(temperature=temperature, max_new_tokens=48, n=n,
+                                                                    reply_format=f)] * 2)
+        return [c.text for o in outs for c in o.completions]
+
+    control = [contents(t) for t in replies(dataclasses.replace(fmt, distinct=()), 0.0, 1)]
+    if engine.__class__.__name__ == "HFEngine":
+        assert any(len(set(c)) < len(c) for c in control), control  # the rule has work to do
+    for text in replies(fmt, 0.0, 1) + replies(fmt, 1.0, 4):
+        closed = contents(text)
+        assert len(set(closed)) == len(closed), text
+
+
 def test_unknown_backend_is_a_clear_error(tiny_model_path):
     with pytest.raises(ValueError, match="inference.backend must be one of"):
         create_engine("tgi", tiny_model_path, SPEC, N_SLOTS)

@@ -124,3 +124,68 @@ def test_a_token_running_past_the_end_into_the_supplied_text_is_not_supplied_twi
     cursor = FormatCursor(TEACHER)
     cursor.model_text("x): return 1```python", lambda t: queued.__setitem__("other", t) or [2])
     assert queued["other"] == "\n```input\n"  # not the supplied text's start: all of it follows
+
+
+def test_inputs_open_like_a_literal_and_hold_no_fence_or_comment():
+    from driver.prompts import reply_format
+
+    fmt = reply_format("teacher", "code_o")
+    r = fmt.regex()
+    program = "x):\n    return x\n```\n```input\n"
+    assert re.fullmatch(r, program + " [1, 'a'], None\n```\n</answer>")
+    for bad in ("The input is 3", "3  # three", "3 ```", "  3"):  # prose, a comment, a fence, two spaces
+        assert not re.fullmatch(r, program + bad + "\n```\n</answer>"), bad
+    assert re.fullmatch(r, "x):\n    # a comment in the program is fine\n    return x\n```\n```input\nTrue\n```\n</answer>")
+
+
+def test_code_f_inputs_may_not_repeat(tokenizer):
+    """An input line may not end while it equals (stripped) an earlier input; the message
+    is not in the group."""
+    from driver.prompts import reply_format
+    from multilora.reply_format import FormatCursor, format_state, repeat_bans
+
+    fmt = reply_format("teacher", "code_f", induction_inputs=3)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    assert newline[0] in repeat_bans(fmt, 1, ["1, 2"], "1, 2", tokenizer)
+    assert newline[0] in repeat_bans(fmt, 1, ["1, 2"], " 1, 2  ", tokenizer)
+    assert repeat_bans(fmt, 1, ["1, 2"], "1, 3", tokenizer) == []
+    assert repeat_bans(fmt, 3, ["1, 2", "3", "4"], "1, 2", tokenizer) == []  # the message
+    # every banned token would close the line on the repeat; none that would extend it
+    texts = [tokenizer.decode([t]) for t in repeat_bans(fmt, 1, ["(1, 2)"], "(1, 2) ", tokenizer)]
+    assert "\n" in texts and all(("(1, 2) " + t[: t.index("\n")]).strip() == "(1, 2)" for t in texts)
+    assert repeat_bans(fmt, 1, ["(1, 2)"], "(1, 2", tokenizer) == []  # no token here closes with ")"
+    # the hf cursor and the text walk (vLLM) agree on where a reply is
+    cursor = FormatCursor(fmt)
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    text = "1, 2\n"
+    cursor.model_text(text, encode)
+    while cursor.pending:
+        text += tokenizer.decode([cursor.take_supplied()])
+    cursor.model_text("1, 2", encode)
+    assert format_state(fmt, text + "1, 2") == (cursor.section, cursor.contents, cursor.content) == (1, ["1, 2"], "1, 2")
+    assert newline[0] in cursor.repeat_bans(tokenizer)
+
+
+def test_format_logits_applies_openers_nevers_and_repeats(tokenizer):
+    from multilora.reply_format import FormatCursor, format_logits
+
+    fmt = ReplyFormat("", ("\n", "\n"), (">",), "<", distinct=("g", "g"), never=("#", "#"), openers=(("1",), ("1",)))
+    vocab = len(tokenizer)
+    ids = {t: tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "2", "\n", "#")}
+    start = FormatCursor(fmt)
+    out = format_logits(torch.zeros(1, vocab), [start], tokenizer, [tokenizer.eos_token_id])
+    assert out[0, ids["1"]] == 0 and out[0, ids["2"]] == float("-inf")  # must open with "1"
+    inside = FormatCursor(fmt)
+    inside.model_text("1", lambda t: tokenizer.encode(t, add_special_tokens=False))
+    out = format_logits(torch.zeros(1, vocab), [inside], tokenizer, [tokenizer.eos_token_id])
+    assert out[0, ids["#"]] == float("-inf") and out[0, ids["2"]] == 0 and out[0, ids["\n"]] == 0
+    inside.model_text("\n", lambda t: tokenizer.encode(t, add_special_tokens=False))
+    while inside.pending:
+        inside.take_supplied()
+    inside.model_text("1", lambda t: tokenizer.encode(t, add_special_tokens=False))
+    out = format_logits(torch.zeros(1, vocab), [inside], tokenizer, [tokenizer.eos_token_id])
+    assert out[0, ids["\n"]] == float("-inf") and out[0, ids["2"]] == 0  # "1" again may not end here
