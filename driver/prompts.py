@@ -161,11 +161,11 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     model otherwise runs on inside an input block until its token budget ends: 62 of the
     116 invalid proposals of the default run before this format had no closed input block).
     A teacher's input opens like a Python literal (`INPUT_OPENERS`) and holds no backtick or
-    `#`; a code_f teacher's inputs may not repeat one another. These shape only what can be
-    written: the verifier's rules decide validity as before. On the base 135M model (12
-    code_f proposals, T=0.7, seed references) 11 of 12 failed on repeated inputs before; with
-    these rules 1 of 12 was valid, and the failures moved to the inputs themselves (4 did
-    not fit the signature, 4 were not literals, 3 ran on to the token budget).
+    `#`; a code_f teacher's input may not repeat an earlier one, not even on its way. These shape only what can be
+    written: the verifier's rules decide validity as before. On the base 135M model (code_f
+    proposals, T=0.7, seed references): 11 of 12 failed on repeated inputs before; barring
+    only a repeated line's end, 2 of 24 were valid (the model appended to its copies);
+    barring a copy from being completed at all (`repeat_bans`), 12 of 24.
     """
     if role == "teacher" and task_type == "code_f":
         leads = ["<answer>\n```input\n"] + ["```\n```input\n"] * (induction_inputs - 1) + ["```\n```message\n"]

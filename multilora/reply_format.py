@@ -269,34 +269,51 @@ def tokens_opening_with(tokenizer, openers: tuple[str, ...]) -> torch.Tensor:
     return _OPENING[key]
 
 
-_CLOSERS: dict[tuple[int, str], dict[int, str]] = {}
+_HEADS: dict[tuple[int, str], tuple[dict[str, list[int]], dict[str, list[int]]]] = {}
 
 
-def closing_tokens(tokenizer, end: str) -> dict[int, str]:
-    """Token ids whose text contains the one-character `end`, each with its text before
-    it; computed once per tokenizer and end."""
+def token_heads(tokenizer, end: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Token ids by the text they add to a section whose end is `end` (the token's text up
+    to `end`, or all of it), keyed once right-stripped and once stripped; computed once per
+    tokenizer and end."""
     key = (id(tokenizer), end)
-    if key not in _CLOSERS:
+    if key not in _HEADS:
         size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
         texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
-        _CLOSERS[key] = {i: t[: t.index(end)] for i, t in enumerate(texts) if end in t}
-    return _CLOSERS[key]
+        rstripped: dict[str, list[int]] = {}
+        stripped: dict[str, list[int]] = {}
+        for i, t in enumerate(texts):
+            head = t[: t.index(end)] if end in t else t
+            rstripped.setdefault(head.rstrip(), []).append(i)
+            stripped.setdefault(head.strip(), []).append(i)
+        _HEADS[key] = (rstripped, stripped)
+    return _HEADS[key]
 
 
 def repeat_bans(fmt: ReplyFormat, section: int, contents: Sequence[str], current: str, tokenizer) -> list[int]:
-    """Token ids that would close `section` (model text so far: `current`) with a content
-    equal, stripped, to an earlier content of its distinct group (`contents`: the finished
-    sections' contents, stripped). Shared by both backends (hf decode loops, vLLM logits
-    processor), so they refuse the same replies."""
+    """Token ids after which the content of `section` (model text so far: `current`) would
+    equal, stripped, an earlier content of its distinct group (`contents`: the finished
+    sections' contents, stripped), whether the token closes the section there or not.
+
+    Barring only the close was not enough: the 135M model, kept from ending a copied line,
+    appended to it ("[1, 2, 3, 4] 3 4"). Barred from completing the copy, it has to change
+    it before the copy is whole ("[1, 2, 3, 4, 5]"). Shared by both backends (hf decode
+    loops, vLLM logits processor), so they refuse the same tokens."""
     group = fmt.group(section)
-    if not group:
+    if not group or section >= len(fmt.ends):
         return []
     earlier = {c for i, c in enumerate(contents) if fmt.group(i) == group}
-    head = current.strip()
-    if not any(e.startswith(head) for e in earlier):  # no earlier content can be completed
-        return []
-    return [t for t, before in closing_tokens(tokenizer, fmt.ends[section]).items()
-            if (current + before).strip() in earlier]
+    rstripped, stripped = token_heads(tokenizer, fmt.ends[section])
+    written = current.lstrip()
+    if not written:  # the token alone would be the whole (stripped) content
+        return [t for e in earlier for t in stripped.get(e, ())]
+    banned: list[int] = []
+    for e in earlier:
+        if e.startswith(written):  # the token must add the rest of e, then at most whitespace
+            banned += rstripped.get(e[len(written):], ())
+        elif written.rstrip() == e:  # already e plus whitespace: more whitespace or the end
+            banned += rstripped.get("", ())
+    return banned
 
 
 def format_state(fmt: ReplyFormat, text: str) -> tuple[int, list[str], str] | None:

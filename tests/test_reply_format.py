@@ -151,10 +151,17 @@ def test_code_f_inputs_may_not_repeat(tokenizer):
     assert newline[0] in repeat_bans(fmt, 1, ["1, 2"], " 1, 2  ", tokenizer)
     assert repeat_bans(fmt, 1, ["1, 2"], "1, 3", tokenizer) == []
     assert repeat_bans(fmt, 3, ["1, 2", "3", "4"], "1, 2", tokenizer) == []  # the message
-    # every banned token would close the line on the repeat; none that would extend it
-    texts = [tokenizer.decode([t]) for t in repeat_bans(fmt, 1, ["(1, 2)"], "(1, 2) ", tokenizer)]
-    assert "\n" in texts and all(("(1, 2) " + t[: t.index("\n")]).strip() == "(1, 2)" for t in texts)
-    assert repeat_bans(fmt, 1, ["(1, 2)"], "(1, 2", tokenizer) == []  # no token here closes with ")"
+    # a token may not complete a copy either (the model appended to a copy it could not end)
+    def after(current, t):
+        text = tokenizer.decode([t], skip_special_tokens=True)
+        return (current + text[: text.index("\n")] if "\n" in text else current + text).strip()
+
+    for current in ("(1, 2", "(1, 2) ", "", " (1,"):
+        banned = repeat_bans(fmt, 1, ["(1, 2)"], current, tokenizer)
+        assert all(after(current, t) == "(1, 2)" for t in banned), current
+        assert banned or current in ("", " (1,"), current  # no single token is "(1, 2)" or " 2)"
+    assert tokenizer.encode(")", add_special_tokens=False)[0] in repeat_bans(fmt, 1, ["(1, 2)"], "(1, 2", tokenizer)
+    assert repeat_bans(fmt, 1, ["(1, 2)"], "(1, 3", tokenizer) == []
     # the hf cursor and the text walk (vLLM) agree on where a reply is
     cursor = FormatCursor(fmt)
 
