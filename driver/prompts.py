@@ -161,8 +161,8 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     model otherwise runs on inside an input block until its token budget ends: 62 of the
     116 invalid proposals of the default run before this format had no closed input block).
     A teacher's input opens like a Python literal (`INPUT_OPENERS`) and holds no backtick or
-    `#`; a code_f teacher's input may not repeat an earlier one, not even on its way. These shape only what can be
-    written: the verifier's rules decide validity as before. On the base 135M model (code_f
+    `#`; a code_f teacher's input may not repeat an earlier one, not even on its way. These
+    shape only what can be written: the verifier's rules decide validity as before. On the base 135M model (code_f
     proposals, T=0.7, seed references): 11 of 12 failed on repeated inputs before; barring
     only a repeated line's end, 2 of 24 were valid (the model appended to its copies);
     barring a copy from being completed at all (`repeat_bans`), 12 of 24.
@@ -179,8 +179,8 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     # a section never starts with its end; one-line sections never hold a backtick (the model
     # wrote "```" inside input lines, which the free-text parser then read as the block's end)
     never = ["`" if end == "\n" else "" for end in ends]
-    # a code_f teacher's inputs must be distinct (`parse_proposal`): an input line may not end
-    # while it repeats an earlier one (the 135M model wrote its first input 4 times over)
+    # a code_f teacher's inputs must be distinct (`parse_proposal`): an input line may not
+    # become a repeat of an earlier one (the 135M model wrote its first input 4 times over)
     distinct = ["input"] * induction_inputs + [""] if role == "teacher" and task_type == "code_f" else [""] * len(ends)
     # a teacher's input opens like a Python literal (half the first code_f inputs were prose)
     inputs = range(induction_inputs) if task_type == "code_f" else [1]
@@ -190,9 +190,9 @@ def reply_format(role: str, task_type: str, induction_inputs: int = 4, reasoning
     if reasoning:
         leads, ends = ["<think>\n", "\n" + leads[0], *leads[1:]], ["</think>", *ends]
         never, distinct, openers = ["", *never], ["", *distinct], [(), *openers]
-    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing, (),
-                       tuple(distinct) if any(distinct) else (), tuple(never) if any(never) else (),
-                       tuple(openers) if any(openers) else ())
+    return ReplyFormat(leads[0], tuple(ends), tuple(leads[1:]), closing,
+                       distinct=tuple(distinct) if any(distinct) else (), never=tuple(never) if any(never) else (),
+                       openers=tuple(openers) if any(openers) else ())
 
 
 def student_prompt(task: Task, reasoning: bool = False) -> str:

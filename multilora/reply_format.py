@@ -45,12 +45,9 @@ class ReplyFormat:
     ends: tuple[str, ...]
     joins: tuple[str, ...] = ()
     closing: str = ""
-    # per section: characters its content may not start with (besides its end's first one,
-    # which is never allowed first: a section's content is never empty); "" for none
-    not_first: tuple[str, ...] = ()
     # per section: a group name ("" for none); sections of one group may not repeat an
-    # earlier one's content (stripped). Only for sections with a one-character end (one-line
-    # inputs): the line may not end while it equals an earlier line of its group.
+    # earlier one's content (stripped), not even on the way (`repeat_bans`). Only for
+    # sections with a one-character end (one-line inputs).
     distinct: tuple[str, ...] = ()
     # per section: characters its content may never contain ("" for none): a one-line
     # input never holds a fence, so the free-text parser reads back what the generator closed
@@ -66,8 +63,6 @@ class ReplyFormat:
             raise ValueError(f"{len(self.ends)} sections need {len(self.ends) - 1} joins, got {len(self.joins)}")
         if any(not e for e in self.ends):
             raise ValueError("every section needs a non-empty end text")
-        if self.not_first and len(self.not_first) != len(self.ends):
-            raise ValueError(f"not_first names {len(self.not_first)} sections of {len(self.ends)}")
         if self.never and len(self.never) != len(self.ends):
             raise ValueError(f"never names {len(self.never)} sections of {len(self.ends)}")
         if any(c in e for n, e in zip(self.never, self.ends) for c in n):
@@ -82,8 +77,9 @@ class ReplyFormat:
             raise ValueError("only sections with a one-character end (one-line sections) can be distinct")
 
     def banned_first(self, section: int) -> str:
-        """Characters the content of `section` may not start with."""
-        return self.ends[section][0] + (self.not_first[section] if self.not_first else "") + self.never_in(section)
+        """Characters the content of `section` may not start with: its end's first one (a
+        content is never empty) and those it may never contain."""
+        return self.ends[section][0] + self.never_in(section)
 
     def openers_of(self, section: int) -> tuple[str, ...]:
         """The texts the content of `section` may open with (() for any)."""
@@ -186,7 +182,7 @@ class FormatCursor:
 
     def banned_now(self) -> str:
         """Characters the next sampled token may not start with ("" for none): a section's
-        first token may not open with its end or its `not_first` characters."""
+        first token may not open with its end or a character it never holds."""
         if self.pending or self.content or self.finished_sections:
             return ""
         return self.fmt.banned_first(self.section)
@@ -204,8 +200,8 @@ class FormatCursor:
         return self.fmt.never_in(self.section)
 
     def repeat_bans(self, tokenizer) -> list[int]:
-        """Token ids the next sampled token may not be: those that would close a distinct
-        section while it repeats an earlier one of its group."""
+        """Token ids the next sampled token may not be: those after which a distinct section
+        would repeat an earlier one of its group (`repeat_bans`)."""
         if self.pending or self.finished_sections:
             return []
         return repeat_bans(self.fmt, self.section, self.contents, self.content, tokenizer)
@@ -225,6 +221,18 @@ def _one_space_aside(text: str) -> str:
     return text[1:] if text.startswith(" ") else text
 
 
+_TEXTS: dict[int, list[str]] = {}
+
+
+def token_texts(tokenizer) -> list[str]:
+    """Every token id's text (special tokens as ""), decoded once per tokenizer: the masks
+    below are all derived from it."""
+    if id(tokenizer) not in _TEXTS:
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        _TEXTS[id(tokenizer)] = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+    return _TEXTS[id(tokenizer)]
+
+
 _FIRST_CHAR_BANS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -234,8 +242,7 @@ def tokens_starting_with(tokenizer, chars: str) -> torch.Tensor:
     The regex's `[ ]?` is the same rule (one optional space, then the first character)."""
     key = (id(tokenizer), chars)
     if key not in _FIRST_CHAR_BANS:
-        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
-        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        texts = token_texts(tokenizer)
         firsts = [_one_space_aside(t)[:1] for t in texts]
         _FIRST_CHAR_BANS[key] = torch.tensor([not c or c == " " or c in chars for c in firsts], dtype=torch.bool)
     return _FIRST_CHAR_BANS[key]
@@ -248,8 +255,7 @@ def tokens_containing(tokenizer, chars: str) -> torch.Tensor:
     """Bool `[vocab]`: token ids whose text contains one of `chars`; once per tokenizer and set."""
     key = (id(tokenizer), chars)
     if key not in _CONTAINING:
-        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
-        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        texts = token_texts(tokenizer)
         _CONTAINING[key] = torch.tensor([any(c in t for c in chars) for t in texts], dtype=torch.bool)
     return _CONTAINING[key]
 
@@ -263,8 +269,7 @@ def tokens_opening_with(tokenizer, openers: tuple[str, ...]) -> torch.Tensor:
     the stricter of the two backends there, the language is the same)."""
     key = (id(tokenizer), openers)
     if key not in _OPENING:
-        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
-        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        texts = token_texts(tokenizer)
         _OPENING[key] = torch.tensor([_one_space_aside(t).startswith(openers) for t in texts], dtype=torch.bool)
     return _OPENING[key]
 
@@ -278,8 +283,7 @@ def token_heads(tokenizer, end: str) -> tuple[dict[str, list[int]], dict[str, li
     tokenizer and end."""
     key = (id(tokenizer), end)
     if key not in _HEADS:
-        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
-        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+        texts = token_texts(tokenizer)
         rstripped: dict[str, list[int]] = {}
         stripped: dict[str, list[int]] = {}
         for i, t in enumerate(texts):
@@ -338,8 +342,9 @@ def format_logits(logits: torch.Tensor, cursors: Sequence[FormatCursor | None], 
                   eos_ids: Sequence[int]) -> torch.Tensor:
     """The logits to sample from for rows in `cursors` order (None: no format): end of
     sequence masked while a format is unfinished, a section's first token may not start
-    with a banned character and must open with one of its openers, no token may hold a character its section never contains,
-    and a distinct section may not close on an earlier content. `logits` itself is not changed."""
+    with a banned character and must open with one of its openers, no token may hold a
+    character its section never contains, and no token may make a distinct section repeat
+    an earlier one (`repeat_bans`). `logits` itself is not changed."""
     unfinished = [k for k, c in enumerate(cursors) if c is not None and not c.finished_sections]
     bans = [(k, c.banned_now()) for k, c in enumerate(cursors) if c is not None]
     bans = [(k, chars) for k, chars in bans if chars]
@@ -356,18 +361,21 @@ def format_logits(logits: torch.Tensor, cursors: Sequence[FormatCursor | None], 
         out[torch.tensor(unfinished, device=logits.device)[:, None],
             torch.tensor(sorted(eos_ids), device=logits.device)[None, :]] = float("-inf")
     for k, chars in bans:
-        banned = tokens_starting_with(tokenizer, chars).to(logits.device)
-        out[k, : banned.shape[0]] = out[k, : banned.shape[0]].masked_fill(banned[: out.shape[1]], float("-inf"))
+        _refuse(out, k, tokens_starting_with(tokenizer, chars))
     for k, openers in openings:
-        allowed = tokens_opening_with(tokenizer, openers).to(logits.device)
-        out[k, : allowed.shape[0]] = out[k, : allowed.shape[0]].masked_fill(~allowed[: out.shape[1]], float("-inf"))
-        out[k, allowed.shape[0]:] = float("-inf")  # ids past the tokenizer's (a padded vocabulary)
+        _refuse(out, k, ~tokens_opening_with(tokenizer, openers))
+        out[k, len(token_texts(tokenizer)):] = float("-inf")  # ids past the tokenizer's (a padded vocabulary)
     for k, chars in nevers:
-        banned = tokens_containing(tokenizer, chars).to(logits.device)
-        out[k, : banned.shape[0]] = out[k, : banned.shape[0]].masked_fill(banned[: out.shape[1]], float("-inf"))
+        _refuse(out, k, tokens_containing(tokenizer, chars))
     for k, ids in repeats:
         out[k, torch.tensor(ids, device=logits.device)] = float("-inf")
     return out
+
+
+def _refuse(out: torch.Tensor, row: int, banned: torch.Tensor) -> None:
+    """-inf for `row`'s logits where `banned` (a `[tokenizer vocab]` bool mask) is set."""
+    n = min(banned.shape[0], out.shape[1])
+    out[row, :n] = out[row, :n].masked_fill(banned[:n].to(out.device), float("-inf"))
 
 
 def supplied_mask(tokenizer, token_ids: Sequence[int], fmt: ReplyFormat) -> tuple[bool, ...]:

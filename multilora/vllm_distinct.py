@@ -3,8 +3,8 @@
 A regular expression (the format's structured output) cannot say "this line differs from
 the earlier ones", so `VLLMEngine` registers this processor with its engine and hands the
 format to it per request (`SamplingParams.extra_args`). It refuses the same tokens as the
-hf decode loops (`multilora.reply_format.repeat_bans`): a token that would close a distinct
-section while its content repeats an earlier one of its group.
+hf decode loops (`multilora.reply_format.repeat_bans`): a token after which a distinct
+section's content would repeat an earlier one of its group.
 
 Imports vLLM: loaded only by `VLLMEngine`.
 """
@@ -23,12 +23,14 @@ EXTRA_ARG = "populora_reply_format"
 
 def format_to_extra_arg(fmt: ReplyFormat) -> dict:
     """The format as plain data (vLLM may send `extra_args` to another process)."""
-    return {f.name: getattr(fmt, f.name) if f.name in ("opening", "closing") else list(getattr(fmt, f.name))
-            for f in dataclasses.fields(fmt)}
+    return dataclasses.asdict(fmt)
 
 
 def format_from_extra_arg(data: dict) -> ReplyFormat:
-    return ReplyFormat(**{k: v if isinstance(v, str) else tuple(v) for k, v in data.items()})
+    def plain(v):  # a transport may turn tuples into lists
+        return v if isinstance(v, str) else tuple(plain(x) for x in v)
+
+    return ReplyFormat(**{k: plain(v) for k, v in data.items()})
 
 
 class DistinctSections(AdapterLogitsProcessor):
