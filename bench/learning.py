@@ -1,7 +1,8 @@
 """Does the default run learn? The default local config trained for a fixed number of steps
 on two seeds, and the figures that say whether a population learns.
 
-    python -m bench.learning [--quick | --smoke] [--steps N] [--seeds 0,1] [--sequential] [--set key=value ...]
+    python -m bench.learning [--quick | --smoke] [--steps N] [--seeds 0,1] [--sequential] [--keep DIR]
+                             [--set key=value ...]
 
 Each seed is one real run (`driver.loop.train`: Ray actors, the 135M model, the sandbox),
 written under a temporary directory. The seeds run side by side, each in its own process
@@ -19,7 +20,11 @@ with the config's threads. Printed as one JSON line, also written to
   the steps over that of the first third, and `min`, the smaller of the two (None where
   the first third had no valid proposal);
 - `student_solve_rate_max`: the highest solve rate of any step;
-- `seconds_per_step`: mean wall-clock seconds of a step.
+- `seconds_per_step`: mean wall-clock seconds of a step;
+- `valid_rate_by_step`, `solve_rate_by_step` (per seed) and `valid_rate_by_type_by_step`
+  (both seeds): where a trend comes from.
+
+`--keep DIR` keeps each seed's run directory (metrics, tasks, report) under DIR.
 
 Targets (issue 11): valid rate >= 0.25 for every task type; teacher signal share >= 0.5;
 some student solve rate > 0; last third >= 1.3x the first third on both seeds. `met`
@@ -30,6 +35,7 @@ random model (configs/test.yaml), 3 steps, seconds per seed; its figures mean no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -134,6 +140,9 @@ def summarise(per_seed: dict[int, tuple[list[dict], list[dict]]], steps: int) ->
         "seconds_per_step": float(np.mean([s["time/step"] for s in summaries])) if summaries else None,
         "valid_rate_by_step": {str(seed): [_rate([t for t in ts if t["step"] == k]) for k in range(1, steps + 1)]
                                for seed, (_, ts) in per_seed.items()},
+        # both seeds together: which task types the trend comes from
+        "valid_rate_by_type_by_step": {tt: [_rate([t for t in v if t["step"] == k]) for k in range(1, steps + 1)]
+                                       for tt, v in sorted(by_type.items())},
         "solve_rate_by_step": {str(seed): [s["solve_rate"] for s in ss] for seed, (ss, _) in per_seed.items()},
     }
     ratio_min = result["valid_rate_last_third_vs_first_third"]["min"]
@@ -159,6 +168,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every seed (as `populora train --set`)")
     parser.add_argument("--sequential", action="store_true", help="one seed after the other, in this process")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="write the runs under DIR and keep them (default: a temporary directory)")
     for name in ("--child", "--child-dump", "--child-config", "--child-out"):  # one seed of a side-by-side run
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,7 +182,11 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     overrides = list(args.overrides) + (["population.evolve_every=0"] if args.smoke else [])
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="populora-learning-") as out:
+    keep = Path(args.keep).resolve() if args.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(keep)) if keep is not None
+          else tempfile.TemporaryDirectory(prefix="populora-learning-")) as out:
         if args.sequential or len(seeds) == 1:
             per_seed = {seed: run_seed(config, seed, steps, overrides, Path(out)) for seed in seeds}
         else:

@@ -7,6 +7,7 @@ paths before any work starts and raises `ConfigError` with one line naming the k
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +181,9 @@ _TASK_TYPES = ("code_i", "code_o", "code_f")
 _EVOLUTION_OPERATORS = ("gaussian", "singular_value", "subspace_rotation", "layer_swap", "module_swap", "svd_merge")
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check `value` against a type hint; ints are accepted where floats are expected."""
     origin = typing.get_origin(hint)
@@ -194,6 +198,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         k_hint, v_hint = typing.get_args(hint)
         return {_coerce(k, k_hint, key): _coerce(v, v_hint, f"{key}.{k}") for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        # YAML 1.1 reads `1e-3` (no dot) as a string; it is a number to anyone writing it
         return float(value)
     if hint is bool and not isinstance(value, bool) or (hint in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")

@@ -21,7 +21,14 @@ def test_dotted_overrides():
     assert (cfg.population.teachers, cfg.run.steps, cfg.learner.lr) == (4, 7, 0.5)
 
 
+def test_exponent_without_dot_is_a_float():
+    # YAML 1.1 reads 1e-3 as a string: `--set learner.lr=1e-3` failed with "expected float"
+    cfg = load_config(ROOT / "configs/test.yaml", ["learner.lr=1e-3", "learner.weight_decay=2E-2"])
+    assert (cfg.learner.lr, cfg.learner.weight_decay) == (1e-3, 2e-2)
+
+
 @pytest.mark.parametrize("override,key", [
+    ("learner.lr=fast", "learner.lr: expected float"),
     ("population.teacher=3", "population.teacher: unknown key"),
     ("popul.teachers=3", "popul: unknown key"),
     ("population.teachers=many", "population.teachers: expected int"),
