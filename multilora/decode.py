@@ -16,6 +16,9 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   model's own rotary embedding does (fp32, then the activation dtype). Decode attention
   is two matmuls and an fp32 softmax (torch's fused attention with a mask was 6x slower
   at one query per row in bf16 on this CPU); prefill uses the fused causal kernel.
+- **Packed weights.** On a CPU with oneDNN bf16, a bf16 base's projections, LM head and
+  the adapters' stacks are multiplied through copies reordered once into oneDNN's layout
+  (`multilora.packed`), not reordered on every call: same numbers, faster.
 - **Continuous batching.** Rows are slots: when a row finishes, the next waiting rollout
   takes its slot at the next step, so a phase's requests of different lengths keep the
   batch full. When nothing waits and at most half the rows are live, the live rows are
@@ -38,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from multilora import packed
 from multilora.reply_format import FormatCursor, format_logits
 
 
@@ -60,7 +65,9 @@ def supports(model) -> bool:
     attn = getattr(layer, "self_attn", None)
     mlp = getattr(layer, "mlp", None)
     return (attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
-            and not hasattr(attn, "q_norm") and mlp is not None and hasattr(layer, "input_layernorm")
+            and not hasattr(attn, "q_norm") and mlp is not None
+            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            and hasattr(layer, "input_layernorm")
             and hasattr(layer, "post_attention_layernorm")
             and hasattr(getattr(inner.rotary_emb, "inv_freq", None), "shape"))
 
@@ -125,20 +132,27 @@ class Decoder:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.arange = torch.arange(rows, device=self.device)
 
+    @staticmethod
+    def _proj(module, x: torch.Tensor) -> torch.Tensor:
+        """A projection: a bare `nn.Linear` through its packed copy where supported
+        (`multilora.packed`); a multi-LoRA layer packs its own (`Routing.packed`)."""
+        return packed.module_linear(module, x) if isinstance(module, nn.Linear) else module(x)
+
     def _attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
         batch, tokens, _ = h.shape
-        attn = layer.self_attn
+        attn, mlp, proj = layer.self_attn, layer.mlp, self._proj
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = proj(attn.q_proj, x).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
+        k = proj(attn.k_proj, x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = proj(attn.v_proj, x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
         half = self.head_dim // 2
         q = q * cos + q.roll(half, dims=-1) * sin  # rotary positions (Su et al. 2021), as the model's
         k = k * cos + k.roll(half, dims=-1) * sin
         o = attend(i, q, k, v, write)
         o = o.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim)
-        h = h + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + proj(attn.o_proj, o)
+        x = layer.post_attention_layernorm(h)
+        return h + proj(mlp.down_proj, mlp.act_fn(proj(mlp.gate_proj, x)) * proj(mlp.up_proj, x))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: torch.Tensor | None,
@@ -180,7 +194,7 @@ class Decoder:
             for i, layer in enumerate(self.layers):
                 h = self._attention_block(i, layer, h, cos, sin, None, attend)
             last = h[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
-            return self.lm_head(self.inner.norm(last))
+            return self._proj(self.lm_head, self.inner.norm(last))
         finally:
             routing.slots = previous
 
@@ -212,7 +226,7 @@ class Decoder:
         h = self.inner.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.layers):
             h = self._attention_block(i, layer, h, cos, sin, None, attend)
-        return self.lm_head(self.inner.norm(h))[:, 0]
+        return self._proj(self.lm_head, self.inner.norm(h))[:, 0]
 
     def save(self, row: int, length: int, logits: torch.Tensor) -> tuple:
         """A copy of slot `row`'s first `length` keys/values (a prompt), with its logits."""
@@ -301,6 +315,15 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
            generator: torch.Generator | None = None) -> list[list]:
     """`params.n` completions per request (`multilora.generation.GenerationRequest`), as
     lists of `Completion` in request order; see the module docstring."""
+    routing = model.routing
+    previous, routing.packed = routing.packed, True  # packed bf16 weights (`multilora.packed`)
+    try:
+        return _decode(model, tokenizer, requests, max_batch, generator)
+    finally:
+        routing.packed = previous
+
+
+def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: torch.Generator | None) -> list[list]:
     from multilora.generation import Completion
 
     if not requests:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from multilora import packed as packed_weights
+
 # The dense kernel computes all N slots for every token; it wins while the per-row
 # gather is not amortised over the row's tokens. One 576x576 layer, 8 slots of rank 16,
 # 16 rows, CPU: 1 token per row (decoding) dense 1.3x the bare linear, gather 2.4x;
@@ -51,6 +53,9 @@ class Routing:
         # batch's slots, as training does, instead of caching stacked copies of every slot
         # (one more adapter-sized copy per member, rebuilt after every update anyway)
         self.cache_stacks = True
+        # True while the decode loop runs (`multilora.decode`): bf16 base weights and slot
+        # stacks go through prepacked oneDNN copies (`multilora.packed`); inference only
+        self.packed = False
         self._slots: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
         self._used: tuple[list[int], torch.Tensor] | None = None
@@ -108,10 +113,12 @@ class MultiLoraLinear(nn.Module):
             nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device)) for _ in range(n_slots)
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def invalidate(self) -> None:
         """Drop the cached stacks after any write to the factors."""
         self._stacked = None
+        self._packed = None
 
     def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached `A: [N, r, in]` and `B^T: [N, r, out]` of every slot in the base's dtype,
@@ -123,8 +130,16 @@ class MultiLoraLinear(nn.Module):
                                  torch.stack([b.T for b in self.lora_B]).to(dtype).contiguous())
         return self._stacked
 
+    def _packed_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacks as packed linear weights `[N r, in]` and `[out, N r]` (dense kernel)."""
+        if self._packed is None:
+            a, bt = self._stacks()
+            n_cols = a.shape[0] * a.shape[1]
+            self._packed = (packed_weights.pack(a.reshape(n_cols, -1)), packed_weights.pack(bt.reshape(n_cols, -1).T))
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        out = packed_weights.module_linear(self.base, x) if self.routing.packed else self.base(x)
         slots = self.routing.slots
         if slots is None:
             return out
@@ -138,6 +153,11 @@ class MultiLoraLinear(nn.Module):
             delta = torch.bmm(torch.bmm(flat, a.index_select(0, local).transpose(1, 2)), bt.index_select(0, local))
             return out + (self.scaling * delta).reshape(out.shape)
         a, bt = self._stacks()
+        if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW and self.routing.packed and packed_weights.supported(a):
+            # the dense kernel below through packed copies of the stacks
+            pa, pbt = self._packed_stacks()
+            h = packed_weights.linear(flat, pa) * self.routing.row_mask(a.shape[0], a.shape[1], x.dtype, x.device)
+            return out.add_(packed_weights.linear(h, pbt).reshape(out.shape), alpha=self.scaling)
         if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW:
             # dense kernel: views [N r, in] and [N r, out] of the stacks, no copy
             n_cols = a.shape[0] * a.shape[1]

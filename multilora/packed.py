@@ -1,0 +1,64 @@
+"""Prepacked bf16 weights for decoding on the CPU (oneDNN).
+
+A bf16 `F.linear` on the CPU hands the weight to oneDNN, which reorders it into its
+blocked layout on every call: at decode batch sizes (16 rows x 1 token) that reorder costs
+as much as the product itself, and a step reads and writes each weight twice more than it
+needs to. Reordering once (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's
+inductor uses for frozen CPU weights) and calling `_linear_pointwise` on the packed copy
+gives the same numbers (bitwise, checked in tests) faster: SmolLM2-135M, 16 rows x 64
+tokens, 1 thread, bf16: no-LoRA decode 7.2 s -> 5.6 s; with the LoRA stacks packed as
+well, 8 adapters mixed 10.8 s -> 7.8 s.
+
+Only for inference: the packed copy has no autograd, and it is an extra copy of the
+weight (the original stays, for training and for every other path), so it is built on
+first use by the decode loop, for bf16 weights on a CPU with oneDNN bf16 support, and
+nowhere else. The cost is one more bf16 copy of the base's projections and LM head in the
+process that decodes (the inference engine; ~270 MB for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+# batch size oneDNN is told to expect (a hint for the blocked layout; any M is exact)
+_M_HINT = 16
+
+
+@functools.cache
+def _bf16_supported() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without these ops
+        return False
+
+
+def supported(weight: torch.Tensor) -> bool:
+    """True where a packed copy of `weight` can stand in for it (bf16 on a oneDNN CPU)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _bf16_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-blocked copy of a `[out, in]` weight (see `supported`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _M_HINT)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through the packed copy of `weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a frozen `nn.Linear`, through a packed copy of its weight kept on the
+    module (built on first use) where `supported`, else the module itself."""
+    weight = module.weight
+    if torch.is_grad_enabled() or weight.requires_grad or not supported(weight) or x.dtype != weight.dtype:
+        return module(x)
+    packed = module.__dict__.get("_populora_packed")
+    if packed is None or packed[0] is not weight:
+        # keyed by the weight object: a replaced weight (a new base) packs again
+        packed = (weight, pack(weight))
+        module.__dict__["_populora_packed"] = packed
+    return linear(x, packed[1], module.bias)

@@ -1,0 +1,92 @@
+"""Prepacked bf16 weights (`multilora.packed`): the same numbers as the plain products,
+used by the decode loop only, never where gradients are needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from multilora import packed
+from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.layer import MultiLoraLinear, Routing
+from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+
+needs_packing = pytest.mark.skipif(not packed.supported(torch.zeros(1, dtype=torch.bfloat16)),
+                                   reason="no oneDNN bf16 on this CPU")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_is_the_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 3, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(packed.linear(x, packed.pack(weight), bias), F.linear(x, weight, bias))
+
+
+def test_unsupported_weights_and_gradients_take_the_module():
+    lin = torch.nn.Linear(8, 4)  # fp32: not packed
+    x = torch.randn(2, 8)
+    assert torch.equal(packed.module_linear(lin, x), lin(x))
+    assert "_populora_packed" not in lin.__dict__
+    lin = lin.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(2, 8, dtype=torch.bfloat16, requires_grad=True)
+    packed.module_linear(lin, x).sum().backward()  # grad mode: the module itself, so backward works
+    assert x.grad is not None and "_populora_packed" not in lin.__dict__
+
+
+@needs_packing
+def test_multilora_layer_packed_matches_the_dense_kernel():
+    routing = Routing()
+    base = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16).requires_grad_(False)
+    layer = MultiLoraLinear(base, n_slots=3, rank=4, scaling=2.0, routing=routing)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in list(layer.lora_A) + list(layer.lora_B):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randn(6, 1, 64, generator=g).to(torch.bfloat16)
+    routing.slots = torch.tensor([0, 1, 2, 2, 1, 0])
+    with torch.inference_mode():
+        plain = layer(x)
+        routing.packed = True
+        fast = layer(x)
+    assert layer._packed is not None and "_populora_packed" in base.__dict__  # the packed path ran
+    # the LoRA term is rounded to bf16 before it is added (addmm adds it unrounded)
+    assert torch.allclose(fast.float(), plain.float(), atol=0.05, rtol=0.02)
+    layer.invalidate()
+    assert layer._packed is None
+
+
+@needs_packing
+def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    spec = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"))
+    m = MultiLoraModel(load_base_model(tiny_model_path, torch.bfloat16), spec, n_slots=2)
+    g = torch.Generator().manual_seed(0)
+    for name in "ab":
+        m.add_adapter(name, generator=g)
+        with torch.no_grad():
+            for p in m.adapter_parameters(name):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    m.invalidate()
+    reqs = [GenerationRequest("ab"[i % 2], tuple(tokenizer(f"def f{i}(x): return x" + " * 2" * i)["input_ids"]),
+                              SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)) for i in range(6)]
+    calls = []
+    real = packed.linear
+    monkeypatch.setattr(packed, "linear", lambda *a: calls.append(1) or real(*a))
+    fast = generate(m, tokenizer, reqs)
+    assert calls, "the decode loop did not use packed weights"
+    assert m.routing.packed is False  # set for the call only
+    monkeypatch.setattr(packed, "supported", lambda weight: False)
+    plain = generate(m, tokenizer, reqs)
+    rows = [(a.completions[0], b.completions[0]) for a, b in zip(fast, plain)]
+    # bf16: the packed LoRA term rounds once more; every row agrees on its first token
+    # and its log-prob
+    assert all(a.token_ids[0] == b.token_ids[0] for a, b in rows), rows
+    assert all(abs(a.logprobs[0] - b.logprobs[0]) < 0.05 for a, b in rows), rows
