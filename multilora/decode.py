@@ -18,7 +18,9 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   at one query per row in bf16 on this CPU); prefill uses the fused causal kernel.
 - **Packed weights.** On a CPU with oneDNN bf16, a bf16 base's projections, LM head and
   the adapters' stacks are multiplied through copies reordered once into oneDNN's layout
-  (`multilora.packed`), not reordered on every call: same numbers, faster.
+  (`multilora.packed`), not reordered on every call: same numbers, faster. Projections
+  that read the same input (q/k/v; gate/up) are one product each, base and LoRA factors
+  alike (`multilora.layer.packed_group`).
 - **Continuous batching.** Rows are slots: when a row finishes, the next waiting rollout
   takes its slot at the next step, so a phase's requests of different lengths keep the
   batch full. When nothing waits and at most half the rows are live, the live rows are
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from multilora import packed
+from multilora.layer import packed_group
 from multilora.reply_format import FormatCursor, format_logits
 
 
@@ -142,9 +145,11 @@ class Decoder:
         batch, tokens, _ = h.shape
         attn, mlp, proj = layer.self_attn, layer.mlp, self._proj
         x = layer.input_layernorm(h)
-        q = proj(attn.q_proj, x).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
-        k = proj(attn.k_proj, x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = proj(attn.v_proj, x).view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        qkv = packed_group([attn.q_proj, attn.k_proj, attn.v_proj], x) or \
+            [proj(attn.q_proj, x), proj(attn.k_proj, x), proj(attn.v_proj, x)]
+        q = qkv[0].view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
+        k = qkv[1].view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = qkv[2].view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
         half = self.head_dim // 2
         q = q * cos + q.roll(half, dims=-1) * sin  # rotary positions (Su et al. 2021), as the model's
         k = k * cos + k.roll(half, dims=-1) * sin
@@ -152,7 +157,8 @@ class Decoder:
         o = o.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim)
         h = h + proj(attn.o_proj, o)
         x = layer.post_attention_layernorm(h)
-        return h + proj(mlp.down_proj, mlp.act_fn(proj(mlp.gate_proj, x)) * proj(mlp.up_proj, x))
+        gate, up = packed_group([mlp.gate_proj, mlp.up_proj], x) or [proj(mlp.gate_proj, x), proj(mlp.up_proj, x)]
+        return h + proj(mlp.down_proj, mlp.act_fn(gate) * up)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: torch.Tensor | None,

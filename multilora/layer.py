@@ -77,15 +77,17 @@ class Routing:
             self._used = (used.tolist(), local)
         return self._used
 
-    def row_mask(self, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """`[batch, 1, n_slots * rank]`: 1 on the columns of each row's own slot, else 0."""
-        key = (n_slots, rank, dtype, device)
+    def row_mask(self, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
+                 groups: int = 1) -> torch.Tensor:
+        """`[batch, 1, groups * n_slots * rank]`: 1 on the columns of each row's own slot
+        (in each of `groups` side-by-side copies: `packed_group`), else 0."""
+        key = (n_slots, rank, dtype, device, groups)
         mask = self._masks.get(key)
         if mask is None:
             slots = self._slots.to(device)
             mask = torch.zeros(slots.shape[0], n_slots, rank, dtype=dtype, device=device)
             mask[torch.arange(slots.shape[0], device=device), slots] = 1
-            mask = mask.reshape(slots.shape[0], 1, n_slots * rank)
+            mask = mask.reshape(slots.shape[0], 1, n_slots * rank).repeat(1, 1, groups)
             self._masks[key] = mask
         return mask
 
@@ -140,6 +142,10 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = packed_weights.module_linear(self.base, x) if self.routing.packed else self.base(x)
+        return self.add_lora(x, out)
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base's product of `x`) plus each row's LoRA term."""
         slots = self.routing.slots
         if slots is None:
             return out
@@ -169,3 +175,65 @@ class MultiLoraLinear(nn.Module):
         bt_rows = bt.index_select(0, slots)  # [batch, r, out]
         delta = torch.bmm(torch.bmm(flat, a_rows.transpose(1, 2)), bt_rows)
         return out + (self.scaling * delta).reshape(out.shape)
+
+
+def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """`[m(x) for m in modules]` for projections that read the same input (q/k/v, gate/up)
+    as one packed product for the base and, at one token per row, one per LoRA factor
+    (`A` of all modules side by side, `B` block-diagonal): four calls where the modules
+    make three each. None where it does not apply (then call the modules): decoding only
+    (`Routing.packed`, no gradients), bf16 weights on a oneDNN CPU, the same routing,
+    rank and scaling, biases on all modules or on none.
+
+    Prefill with adapters (several tokens per row): the fused base product, then each
+    module's own gather kernel for its LoRA term.
+    The block-diagonal `B` adds exact zeros, so a row's outputs are those of its own
+    slot's factors; summation order inside oneDNN may differ from the separate products
+    (bf16 rounding), as between any two GEMM shapes.
+    """
+    if torch.is_grad_enabled() or len(modules) < 2:
+        return None
+    lora = all(isinstance(m, MultiLoraLinear) for m in modules)
+    bases = [m.base for m in modules] if lora else modules
+    if not (lora or all(isinstance(m, nn.Linear) for m in modules)):
+        return None
+    if lora:
+        first = modules[0]
+        if not (first.routing.packed and first.routing.cache_stacks) or any(
+                m.routing is not first.routing or m.rank != first.rank or m.scaling != first.scaling
+                or len(m.lora_A) != len(first.lora_A) for m in modules):
+            return None
+    weights = [b.weight for b in bases]
+    if not all(packed_weights.supported(w) and w.dtype == x.dtype and not w.requires_grad for w in weights):
+        return None
+    if len({b.bias is None for b in bases}) != 1:
+        return None
+    cache = modules[0].__dict__.setdefault("_populora_group", {})
+    if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
+        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+        cache.clear()
+        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights)), bias=bias)
+    slots = modules[0].routing.slots if lora else None
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    sizes = [w.shape[0] for w in weights]
+    out = packed_weights.linear(x, cache["base"], cache["bias"])
+    if slots is not None and flat.shape[1] > DENSE_MAX_TOKENS_PER_ROW:  # prefill: the modules' own kernel
+        return [m.add_lora(x, part) for m, part in zip(modules, out.split(sizes, dim=-1))]
+    if slots is not None:
+        stacks = [m._stacks() for m in modules]
+        if cache.get("stacks") is None or any(a is not b for a, b in zip(cache["stacks"], stacks)):
+            n_slots, rank = stacks[0][0].shape[:2]
+            n_cols = n_slots * rank
+            a_cat = torch.cat([a.reshape(n_cols, -1) for a, _ in stacks])  # [G N r, in]
+            b_bd = torch.zeros(sum(sizes), len(stacks) * n_cols, dtype=a_cat.dtype, device=a_cat.device)
+            row = 0
+            for g, (_, bt) in enumerate(stacks):
+                b_bd[row:row + sizes[g], g * n_cols:(g + 1) * n_cols] = bt.reshape(n_cols, -1).T
+                row += sizes[g]
+            cache.update(stacks=stacks, a=packed_weights.pack(a_cat), b=packed_weights.pack(b_bd))
+        a, bt = stacks[0]
+        mask = modules[0].routing.row_mask(a.shape[0], a.shape[1], x.dtype, x.device, groups=len(modules))
+        h = packed_weights.linear(flat, cache["a"]) * mask
+        out.add_(packed_weights.linear(h, cache["b"]).reshape(out.shape), alpha=modules[0].scaling)
+    return list(out.split(sizes, dim=-1))
+

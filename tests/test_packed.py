@@ -90,3 +90,65 @@ def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, monkeypatch):
     # and its log-prob
     assert all(a.token_ids[0] == b.token_ids[0] for a, b in rows), rows
     assert all(abs(a.logprobs[0] - b.logprobs[0]) < 0.05 for a, b in rows), rows
+
+
+def _group(with_bias: bool, n_slots: int = 3):
+    routing = Routing()
+    g = torch.Generator().manual_seed(1)
+    layers = []
+    for out in (64, 16, 16):
+        base = torch.nn.Linear(64, out, bias=with_bias).to(torch.bfloat16).requires_grad_(False)
+        layer = MultiLoraLinear(base, n_slots=n_slots, rank=4, scaling=2.0, routing=routing)
+        with torch.no_grad():
+            for p in list(layer.lora_A) + list(layer.lora_B):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        layers.append(layer)
+    return routing, layers
+
+
+@needs_packing
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_group_is_the_modules(tokens, with_bias):
+    from multilora.layer import packed_group
+
+    routing, layers = _group(with_bias)
+    x = torch.randn(6, tokens, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for slots in (torch.tensor([0, 1, 2, 2, 1, 0]), None):
+        routing.slots = slots
+        with torch.inference_mode():
+            routing.packed = True
+            fused = packed_group(layers, x)
+            routing.packed = False
+            separate = [m(x) for m in layers]
+        assert fused is not None and len(fused) == 3
+        for f, s in zip(fused, separate):
+            assert f.shape == s.shape
+            # a row gets only its own slot's factors (block-diagonal B), up to bf16 rounding
+            assert torch.allclose(f.float(), s.float(), atol=0.05, rtol=0.02), (f - s).abs().max()
+    # after a write to the factors (invalidate) the group's packed stacks are rebuilt
+    routing.slots = torch.tensor([0, 1, 2, 2, 1, 0])
+    with torch.no_grad():
+        layers[1].lora_B[2].add_(1.0)
+    for m in layers:
+        m.invalidate()
+    with torch.inference_mode():
+        routing.packed = True
+        fused = packed_group(layers, x)
+        routing.packed = False
+        separate = [m(x) for m in layers]
+    assert torch.allclose(fused[1].float(), separate[1].float(), atol=0.05, rtol=0.02)
+
+
+def test_packed_group_declines_outside_decoding():
+    from multilora.layer import packed_group
+
+    routing, layers = _group(False)
+    x = torch.randn(2, 1, 64).to(torch.bfloat16)
+    routing.packed = True
+    assert packed_group(layers, x) is None  # gradients enabled: never the packed path
+    with torch.inference_mode():
+        routing.packed = False
+        assert packed_group(layers, x) is None  # not inside the decode loop
+        routing.packed = True
+        assert packed_group([layers[0], torch.nn.Linear(64, 8)], x) is None  # mixed kinds
