@@ -43,9 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from multilora import packed
 from multilora.layer import packed_group
 from multilora.reply_format import FormatCursor, format_logits
 
@@ -137,9 +135,9 @@ class Decoder:
 
     @staticmethod
     def _proj(module, x: torch.Tensor) -> torch.Tensor:
-        """A projection: a bare `nn.Linear` through its packed copy where supported
-        (`multilora.packed`); a multi-LoRA layer packs its own (`Routing.packed`)."""
-        return packed.module_linear(module, x) if isinstance(module, nn.Linear) else module(x)
+        """A projection, through packed weights where they apply (`packed_group`)."""
+        out = packed_group([module], x)
+        return module(x) if out is None else out[0]
 
     def _attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
         batch, tokens, _ = h.shape

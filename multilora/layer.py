@@ -115,12 +115,10 @@ class MultiLoraLinear(nn.Module):
             nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device)) for _ in range(n_slots)
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def invalidate(self) -> None:
         """Drop the cached stacks after any write to the factors."""
         self._stacked = None
-        self._packed = None
 
     def _stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached `A: [N, r, in]` and `B^T: [N, r, out]` of every slot in the base's dtype,
@@ -132,17 +130,8 @@ class MultiLoraLinear(nn.Module):
                                  torch.stack([b.T for b in self.lora_B]).to(dtype).contiguous())
         return self._stacked
 
-    def _packed_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stacks as packed linear weights `[N r, in]` and `[out, N r]` (dense kernel)."""
-        if self._packed is None:
-            a, bt = self._stacks()
-            n_cols = a.shape[0] * a.shape[1]
-            self._packed = (packed_weights.pack(a.reshape(n_cols, -1)), packed_weights.pack(bt.reshape(n_cols, -1).T))
-        return self._packed
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_weights.module_linear(self.base, x) if self.routing.packed else self.base(x)
-        return self.add_lora(x, out)
+        return self.add_lora(x, self.base(x))
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base's product of `x`) plus each row's LoRA term."""
@@ -159,11 +148,6 @@ class MultiLoraLinear(nn.Module):
             delta = torch.bmm(torch.bmm(flat, a.index_select(0, local).transpose(1, 2)), bt.index_select(0, local))
             return out + (self.scaling * delta).reshape(out.shape)
         a, bt = self._stacks()
-        if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW and self.routing.packed and packed_weights.supported(a):
-            # the dense kernel below through packed copies of the stacks
-            pa, pbt = self._packed_stacks()
-            h = packed_weights.linear(flat, pa) * self.routing.row_mask(a.shape[0], a.shape[1], x.dtype, x.device)
-            return out.add_(packed_weights.linear(h, pbt).reshape(out.shape), alpha=self.scaling)
         if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW:
             # dense kernel: views [N r, in] and [N r, out] of the stacks, no copy
             n_cols = a.shape[0] * a.shape[1]
@@ -178,10 +162,11 @@ class MultiLoraLinear(nn.Module):
 
 
 def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
-    """`[m(x) for m in modules]` for projections that read the same input (q/k/v, gate/up)
-    as one packed product for the base and, at one token per row, one per LoRA factor
-    (`A` of all modules side by side, `B` block-diagonal): four calls where the modules
-    make three each. None where it does not apply (then call the modules): decoding only
+    """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
+    projection or several that read the same input (q/k/v, gate/up): one packed product
+    for the base and, at one token per row, one per LoRA factor (`A` of all modules side by
+    side, `B` block-diagonal; the dense kernel of `MultiLoraLinear`). None where it does
+    not apply (then call the modules): decoding only
     (`Routing.packed`, no gradients), bf16 weights on a oneDNN CPU, the same routing,
     rank and scaling, biases on all modules or on none.
 
@@ -191,7 +176,7 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     slot's factors; summation order inside oneDNN may differ from the separate products
     (bf16 rounding), as between any two GEMM shapes.
     """
-    if torch.is_grad_enabled() or len(modules) < 2:
+    if torch.is_grad_enabled() or not modules:
         return None
     lora = all(isinstance(m, MultiLoraLinear) for m in modules)
     bases = [m.base for m in modules] if lora else modules
@@ -212,7 +197,8 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
         bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
         cache.clear()
-        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights)), bias=bias)
+        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights) if len(weights) > 1 else weights[0]),
+                     bias=bias)
     slots = modules[0].routing.slots if lora else None
     flat = x.reshape(x.shape[0], -1, x.shape[-1])
     sizes = [w.shape[0] for w in weights]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 # batch size oneDNN is told to expect (a hint for the blocked layout; any M is exact)
 _M_HINT = 16
@@ -50,17 +49,3 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)` through the packed copy of `weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-
-def module_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` for a frozen `nn.Linear`, through a packed copy of its weight kept on the
-    module (built on first use) where `supported`, else the module itself."""
-    weight = module.weight
-    if torch.is_grad_enabled() or weight.requires_grad or not supported(weight) or x.dtype != weight.dtype:
-        return module(x)
-    packed = module.__dict__.get("_populora_packed")
-    if packed is None or packed[0] is not weight:
-        # keyed by the weight object: a replaced weight packs again; a weight written in
-        # place is not seen (the base is frozen; adapters live in the LoRA layers' stacks)
-        packed = (weight, pack(weight))
-        module.__dict__["_populora_packed"] = packed
-    return linear(x, packed[1], module.bias)

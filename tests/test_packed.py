@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from multilora import packed
 from multilora.generation import GenerationRequest, SamplingParams, generate
-from multilora.layer import MultiLoraLinear, Routing
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.layer import MultiLoraLinear, Routing, packed_group
+from test_decode import _model
 
 needs_packing = pytest.mark.skipif(not packed.supported(torch.zeros(1, dtype=torch.bfloat16)),
                                    reason="no oneDNN bf16 on this CPU")
@@ -30,12 +30,13 @@ def test_packed_linear_is_the_linear(rows, with_bias):
 def test_unsupported_weights_and_gradients_take_the_module():
     lin = torch.nn.Linear(8, 4)  # fp32: not packed
     x = torch.randn(2, 8)
-    assert torch.equal(packed.module_linear(lin, x), lin(x))
-    assert "_populora_packed" not in lin.__dict__
+    with torch.inference_mode():
+        assert packed_group([lin], x) is None
+    assert "_populora_group" not in lin.__dict__
     lin = lin.to(torch.bfloat16).requires_grad_(False)
     x = torch.randn(2, 8, dtype=torch.bfloat16, requires_grad=True)
-    packed.module_linear(lin, x).sum().backward()  # grad mode: the module itself, so backward works
-    assert x.grad is not None and "_populora_packed" not in lin.__dict__
+    assert packed_group([lin], x) is None  # grad mode: the module itself, so backward works
+    assert "_populora_group" not in lin.__dict__
 
 
 @needs_packing
@@ -52,12 +53,12 @@ def test_multilora_layer_packed_matches_the_dense_kernel():
     with torch.inference_mode():
         plain = layer(x)
         routing.packed = True
-        fast = layer(x)
-    assert layer._packed is not None and "_populora_packed" in base.__dict__  # the packed path ran
+        fast = packed_group([layer], x)[0]
+    assert "a" in layer.__dict__["_populora_group"]  # the packed LoRA path ran
     # the LoRA term is rounded to bf16 before it is added (addmm adds it unrounded)
     assert torch.allclose(fast.float(), plain.float(), atol=0.05, rtol=0.02)
     layer.invalidate()
-    assert layer._packed is None
+    assert layer._stacked is None  # the packed stacks are rebuilt from new stacks
 
 
 @needs_packing
@@ -65,16 +66,7 @@ def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, monkeypatch):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    spec = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"))
-    m = MultiLoraModel(load_base_model(tiny_model_path, torch.bfloat16), spec, n_slots=2)
-    g = torch.Generator().manual_seed(0)
-    for name in "ab":
-        m.add_adapter(name, generator=g)
-        with torch.no_grad():
-            for p in m.adapter_parameters(name):
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    m.invalidate()
+    m = _model(tiny_model_path, torch.bfloat16)
     reqs = [GenerationRequest("ab"[i % 2], tuple(tokenizer(f"def f{i}(x): return x" + " * 2" * i)["input_ids"]),
                               SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)) for i in range(6)]
     calls = []
@@ -110,8 +102,6 @@ def _group(with_bias: bool, n_slots: int = 3):
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_group_is_the_modules(tokens, with_bias):
-    from multilora.layer import packed_group
-
     routing, layers = _group(with_bias)
     x = torch.randn(6, tokens, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for slots in (torch.tensor([0, 1, 2, 2, 1, 0]), None):
@@ -141,8 +131,6 @@ def test_packed_group_is_the_modules(tokens, with_bias):
 
 
 def test_packed_group_declines_outside_decoding():
-    from multilora.layer import packed_group
-
     routing, layers = _group(False)
     x = torch.randn(2, 1, 64).to(torch.bfloat16)
     routing.packed = True
