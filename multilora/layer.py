@@ -145,8 +145,7 @@ class MultiLoraLinear(nn.Module):
             used, local = self.routing.used_slots()
             a = torch.stack([self.lora_A[s] for s in used]).to(x.dtype)  # fp32 master -> compute dtype
             bt = torch.stack([self.lora_B[s].T for s in used]).to(x.dtype)
-            delta = torch.bmm(torch.bmm(flat, a.index_select(0, local).transpose(1, 2)), bt.index_select(0, local))
-            return out + (self.scaling * delta).reshape(out.shape)
+            return self._add_gathered(out, flat, a.index_select(0, local), bt.index_select(0, local))
         a, bt = self._stacks()
         if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW:
             # dense kernel: views [N r, in] and [N r, out] of the stacks, no copy
@@ -155,10 +154,20 @@ class MultiLoraLinear(nn.Module):
             flat_out = out.reshape(-1, out.shape[-1])
             return torch.addmm(flat_out, h.reshape(-1, n_cols), bt.view(n_cols, -1), alpha=self.scaling
                                ).reshape(out.shape)
-        a_rows = a.index_select(0, slots)  # [batch, r, in]
-        bt_rows = bt.index_select(0, slots)  # [batch, r, out]
-        delta = torch.bmm(torch.bmm(flat, a_rows.transpose(1, 2)), bt_rows)
-        return out + (self.scaling * delta).reshape(out.shape)
+        return self._add_gathered(out, flat, a.index_select(0, slots), bt.index_select(0, slots))
+
+    def _add_gathered(self, out: torch.Tensor, flat: torch.Tensor, a_rows: torch.Tensor,
+                      bt_rows: torch.Tensor) -> torch.Tensor:
+        """The gather kernel: `out + s (x A_row^T) B_row^T` with each row's own factors
+        (`a_rows` `[batch, r, in]`, `bt_rows` `[batch, r, out]`), the scaling and the sum
+        fused into one `baddbmm` (a separate multiply and add each made a pass over
+        `[batch, tokens, out]`: 2.3 s of a 24-prompt propose prefill, 1 thread)."""
+        h = torch.bmm(flat, a_rows.transpose(1, 2))  # [batch, tokens, r]
+        out3 = out.reshape(flat.shape[0], flat.shape[1], -1)
+        if torch.is_grad_enabled():
+            return torch.baddbmm(out3, h, bt_rows, alpha=self.scaling).reshape(out.shape)
+        # inference: `out` is the base product just made for this call, summed into in place
+        return out3.baddbmm_(h, bt_rows, alpha=self.scaling).view(out.shape)
 
 
 def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
