@@ -163,3 +163,31 @@ def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
         wide = decode_mod.sample(logits, torch.ones(rows), torch.full((rows,), 0.95), torch.Generator().manual_seed(0))
         freq = torch.bincount(wide, minlength=5).float() / rows
         assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1, 0]) / 1.0, atol=0.02), freq
+
+
+def test_sampling_mixes_narrow_and_wide_nuclei(monkeypatch):
+    """Rows whose nucleus fits the candidates and rows that need the full sort, in one batch:
+    each follows its own distribution."""
+    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", 3)
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    rows = 8000
+    logits = probs.clamp(min=1e-30).log().expand(rows, -1)
+    top_p = torch.tensor([0.7, 0.95]).repeat(rows // 2)
+    tokens = decode_mod.sample(logits, torch.ones(rows), top_p, torch.Generator().manual_seed(0))
+    narrow = torch.bincount(tokens[0::2], minlength=5).float() / (rows // 2)
+    wide = torch.bincount(tokens[1::2], minlength=5).float() / (rows // 2)
+    assert torch.allclose(narrow, torch.tensor([0.5 / 0.75, 0.25 / 0.75, 0, 0, 0]), atol=0.03), narrow
+    assert torch.allclose(wide, torch.tensor([0.5, 0.25, 0.15, 0.1, 0]), atol=0.03), wide
+
+
+def test_prefill_batches_group_similar_lengths_within_the_cap():
+    lengths = [327, 379, 407, 195, 200, 195, 200, 404, 352, 355]
+    batches = decode_mod.prefill_batches(lengths, cap=2048, batch_cost=64)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every prompt once
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 2048
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded < len(lengths) * max(lengths)
+    assert {tuple(sorted(lengths[i] for i in b)) for b in batches} >= {(195, 195, 200, 200)}  # the short ones alone
+    assert decode_mod.prefill_batches([9000, 3], cap=8192) == [[1], [0]]  # a prompt over the cap: alone
+    assert decode_mod.prefill_batches([]) == []
