@@ -134,7 +134,8 @@ class MultiLoraLinear(nn.Module):
         return self.add_lora(x, self.base(x))
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base's product of `x`) plus each row's LoRA term."""
+        """`out` (the base's product of `x`) plus each row's LoRA term. Without gradients the
+        gather kernel sums into `out` in place: pass a product made for this call."""
         slots = self.routing.slots
         if slots is None:
             return out
