@@ -294,9 +294,13 @@ class Decoder:
         cache.bias[:rows] = cache.bias[source]
 
 
-# Nucleus sampling looks for the nucleus among this many most likely tokens first, and
-# sorts the whole vocabulary only for rows whose nucleus is larger.
-NUCLEUS_CANDIDATES = 64
+# Nucleus sampling looks for the nucleus among the 64 most likely tokens first, then among
+# the 4096 most likely for the rows whose nucleus is larger, and sorts the whole vocabulary
+# only for rows whose nucleus is larger still. SmolLM2-135M teacher proposals at T = 1.0,
+# top-p 0.95: of the rows wider than 64, the nucleus held 367 tokens at the median, 3167 at
+# the 99th percentile (12 rows x 192 steps); a full sort of 6 rows x 49k was 12 ms, topk
+# 4096 2.2 ms, and a multinomial over the whole vocabulary another 6 ms (2 threads).
+NUCLEUS_CANDIDATES = (64, 4096)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
@@ -306,10 +310,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     sampled in proportion to their probabilities.
 
     Speed on CPU (16 rows x 49k vocabulary, 1 thread): argmax and softmax run in fp32
-    (bf16 argmax was 14x slower); the nucleus is found with `topk(64)` (exact whenever
-    those 64 hold top_p of the mass, else that row sorts the whole vocabulary: a full sort
-    was 355 ms per step); rows without a nucleus cut sample by the exponential race
-    (argmax of p / E, E ~ Exp(1), which picks token i with probability p_i) instead of
+    (bf16 argmax was 14x slower); the nucleus is found with `topk(64)`, then `topk(4096)`
+    for the rows it does not cover (`NUCLEUS_CANDIDATES`; exact whenever the candidates hold
+    top_p of the mass), and only a row wider still sorts the whole vocabulary (a full sort
+    was 355 ms per step); rows without a nucleus cut sample by the exponential race (argmax
+    of p / E, E ~ Exp(1), which picks token i with probability p_i) instead of
     `multinomial` over the vocabulary (3x slower)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
@@ -325,17 +330,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         race = torch.rand(probs[whole].shape, generator=generator, device=probs.device).log_().neg_()
         sampled[whole] = (probs[whole] / race).argmax(dim=-1)
     cut = (sampling & (top_p < 1.0)).nonzero().squeeze(1)
-    if cut.numel():
+    for k in (*NUCLEUS_CANDIDATES, None):  # ever more candidates, for ever fewer rows
+        if not cut.numel():
+            break
         p_cut = top_p[cut][:, None]
-        k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+        if k is None or k >= probs.shape[-1]:  # the whole vocabulary: every remaining row ends here
+            values, order = probs[cut].sort(dim=-1, descending=True)
+            sampled[cut] = _nucleus(values, order, p_cut, generator)
+            break
         values, order = probs[cut].topk(k, dim=-1)  # sorted, descending
         wider = (values.sum(dim=-1, keepdim=True) < p_cut).squeeze(1)  # the nucleus reaches past the k candidates
         narrow = ~wider
         if bool(narrow.any()):
             sampled[cut[narrow]] = _nucleus(values[narrow], order[narrow], p_cut[narrow], generator)
-        if bool(wider.any()):  # only these rows sort (and sample over) the whole vocabulary
-            full_values, full_order = probs[cut[wider]].sort(dim=-1, descending=True)
-            sampled[cut[wider]] = _nucleus(full_values, full_order, p_cut[wider], generator)
+        cut = cut[wider]
     return sampled
 
 

@@ -152,7 +152,7 @@ def test_bf16_base_agrees_with_the_reference(tiny_model_path, tokenizer):
 @pytest.mark.parametrize("top_p, expected", [(1.0, [0.5, 0.25, 0.15, 0.1, 0.0]),  # exponential race
                                              (0.7, [0.5 / 0.75, 0.25 / 0.75, 0, 0, 0])])  # nucleus {0, 1}
 def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
-    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", 3)  # the nucleus search and its full-sort fallback
+    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", (3,))  # the nucleus search and its full-sort fallback
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     rows = 8000
     logits = probs.clamp(min=1e-30).log().expand(rows, -1)
@@ -166,16 +166,16 @@ def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
 
 
 def test_sampling_mixes_narrow_and_wide_nuclei(monkeypatch):
-    """Rows whose nucleus fits the candidates and rows that need the full sort, in one batch:
-    each follows its own distribution."""
-    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", 3)
+    """Rows whose nucleus fits the first candidates, the second, or needs the full sort, in
+    one batch: each follows its own distribution."""
+    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", (1, 3))
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
-    rows = 8000
+    rows = 9000
     logits = probs.clamp(min=1e-30).log().expand(rows, -1)
-    top_p = torch.tensor([0.7, 0.95]).repeat(rows // 2)
+    top_p = torch.tensor([0.4, 0.7, 0.95]).repeat(rows // 3)  # nucleus of 1, 2 and 4 tokens
     tokens = decode_mod.sample(logits, torch.ones(rows), top_p, torch.Generator().manual_seed(0))
-    narrow = torch.bincount(tokens[0::2], minlength=5).float() / (rows // 2)
-    wide = torch.bincount(tokens[1::2], minlength=5).float() / (rows // 2)
+    first, narrow, wide = (torch.bincount(tokens[i::3], minlength=5).float() / (rows // 3) for i in range(3))
+    assert first.tolist() == [1.0, 0, 0, 0, 0]
     assert torch.allclose(narrow, torch.tensor([0.5 / 0.75, 0.25 / 0.75, 0, 0, 0]), atol=0.03), narrow
     assert torch.allclose(wide, torch.tensor([0.5, 0.25, 0.15, 0.1, 0]), atol=0.03), wide
 
