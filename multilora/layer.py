@@ -78,13 +78,14 @@ class Routing:
         return self._used
 
     def row_mask(self, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 groups: int = 1) -> torch.Tensor:
+                 groups: int = 1, used_only: bool = False) -> torch.Tensor:
         """`[batch, 1, groups * n_slots * rank]`: 1 on the columns of each row's own slot
-        (in each of `groups` side-by-side copies: `packed_group`), else 0."""
-        key = (n_slots, rank, dtype, device, groups)
+        (in each of `groups` side-by-side copies: `packed_group`), else 0. `used_only`: the
+        columns are those of the batch's distinct slots only (`used_slots`)."""
+        key = (n_slots, rank, dtype, device, groups, used_only)
         mask = self._masks.get(key)
         if mask is None:
-            slots = self._slots.to(device)
+            slots = (self.used_slots()[1] if used_only else self._slots).to(device)
             mask = torch.zeros(slots.shape[0], n_slots, rank, dtype=dtype, device=device)
             mask[torch.arange(slots.shape[0], device=device), slots] = 1
             mask = mask.reshape(slots.shape[0], 1, n_slots * rank).repeat(1, 1, groups)
@@ -175,7 +176,9 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
     projection or several that read the same input (q/k/v, gate/up): one packed product
     for the base and, at one token per row, one per LoRA factor (`A` of all modules side by
-    side, `B` block-diagonal; the dense kernel of `MultiLoraLinear`). None where it does
+    side, `B` block-diagonal; the dense kernel of `MultiLoraLinear`, over the slots the batch
+    uses only: a propose phase of 2 teachers in a population of 4 computes 2 slots, not 4).
+    None where it does
     not apply (then call the modules): decoding only
     (`Routing.packed`, no gradients), bf16 weights on a oneDNN CPU, the same routing,
     rank and scaling, biases on all modules or on none.
@@ -218,18 +221,36 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     if slots is not None:
         stacks = [m._stacks() for m in modules]
         if cache.get("stacks") is None or any(a is not b for a, b in zip(cache["stacks"], stacks)):
-            n_slots, rank = stacks[0][0].shape[:2]
-            n_cols = n_slots * rank
-            a_cat = torch.cat([a.reshape(n_cols, -1) for a, _ in stacks])  # [G N r, in]
-            b_bd = torch.zeros(sum(sizes), len(stacks) * n_cols, dtype=a_cat.dtype, device=a_cat.device)
-            row = 0
-            for g, (_, bt) in enumerate(stacks):
-                b_bd[row:row + sizes[g], g * n_cols:(g + 1) * n_cols] = bt.reshape(n_cols, -1).T
-                row += sizes[g]
-            cache.update(stacks=stacks, a=packed_weights.pack(a_cat), b=packed_weights.pack(b_bd))
-        a, bt = stacks[0]
-        mask = modules[0].routing.row_mask(a.shape[0], a.shape[1], x.dtype, x.device, groups=len(modules))
-        h = packed_weights.linear(flat, cache["a"]) * mask
-        out.add_(packed_weights.linear(h, cache["b"]).reshape(out.shape), alpha=modules[0].scaling)
+            cache.update(stacks=stacks, lora={})
+        # only the slots this batch uses (a propose phase routes to the teachers alone):
+        # packed once per set of slots, kept while the factors stay the same
+        used = modules[0].routing.used_slots()[0]
+        factors = cache["lora"].get(tuple(used))
+        if factors is None:
+            if len(cache["lora"]) >= USED_SETS_KEPT:
+                cache["lora"].clear()
+            factors = cache["lora"][tuple(used)] = _packed_factors(stacks, used, sizes)
+        rank = stacks[0][0].shape[1]
+        mask = modules[0].routing.row_mask(len(used), rank, x.dtype, x.device, groups=len(modules), used_only=True)
+        h = packed_weights.linear(flat, factors[0]) * mask
+        out.add_(packed_weights.linear(h, factors[1]).reshape(out.shape), alpha=modules[0].scaling)
     return list(out.split(sizes, dim=-1))
+
+
+# Sets of used slots whose packed factors `packed_group` keeps per group of projections
+USED_SETS_KEPT = 8
+
+
+def _packed_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: list[int], sizes: list[int]) -> tuple:
+    """Packed `A` of slots `used` of every module side by side `[G U r, in]`, and their `B`
+    block-diagonal `[sum(out), G U r]` (`packed_group`)."""
+    index = torch.tensor(used, device=stacks[0][0].device)
+    n_cols = len(used) * stacks[0][0].shape[1]
+    a_cat = torch.cat([a.index_select(0, index).reshape(n_cols, -1) for a, _ in stacks])
+    b_bd = torch.zeros(sum(sizes), len(stacks) * n_cols, dtype=a_cat.dtype, device=a_cat.device)
+    row = 0
+    for g, (_, bt) in enumerate(stacks):
+        b_bd[row:row + sizes[g], g * n_cols:(g + 1) * n_cols] = bt.index_select(0, index).reshape(n_cols, -1).T
+        row += sizes[g]
+    return packed_weights.pack(a_cat), packed_weights.pack(b_bd)
 

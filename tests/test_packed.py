@@ -49,14 +49,17 @@ def test_multilora_layer_packed_matches_the_dense_kernel():
         for p in list(layer.lora_A) + list(layer.lora_B):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     x = torch.randn(6, 1, 64, generator=g).to(torch.bfloat16)
-    routing.slots = torch.tensor([0, 1, 2, 2, 1, 0])
-    with torch.inference_mode():
-        plain = layer(x)
-        routing.packed = True
-        fast = packed_group([layer], x)[0]
-    assert "a" in layer.__dict__["_populora_group"]  # the packed LoRA path ran
-    # the LoRA term is rounded to bf16 before it is added (addmm adds it unrounded)
-    assert torch.allclose(fast.float(), plain.float(), atol=0.05, rtol=0.02)
+    # every slot, then a batch that uses two of the three (only those are packed and computed)
+    for slots, used in (([0, 1, 2, 2, 1, 0], (0, 1, 2)), ([2, 0, 2, 2, 0, 0], (0, 2))):
+        routing.packed = False
+        routing.slots = torch.tensor(slots)
+        with torch.inference_mode():
+            plain = layer(x)
+            routing.packed = True
+            fast = packed_group([layer], x)[0]
+        assert used in layer.__dict__["_populora_group"]["lora"]  # the packed LoRA path ran
+        # the LoRA term is rounded to bf16 before it is added (addmm adds it unrounded)
+        assert torch.allclose(fast.float(), plain.float(), atol=0.05, rtol=0.02)
     layer.invalidate()
     assert layer._stacked is None  # the packed stacks are rebuilt from new stacks
 
