@@ -10,8 +10,9 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   place) with T = the longest prompt + its token budget, allocated once per call, plus an
   additive mask `[rows, T]` (0 where a key is, -inf elsewhere); a decode step writes each
   row's new key/value at that row's own position (`index_put`) and attends over the first
-  `longest` positions of the cache. Nothing grows
-  or is re-allocated per token: no `torch.cat` of caches or masks.
+  `longest` positions of the cache, or over all T once `longest` passes T / 2 (a strided
+  slice costs a copy; the mask hides the rest). Nothing grows or is re-allocated per
+  token: no `torch.cat` of caches or masks.
 - **Own forward.** The decoder layers' modules (norms, the routed multi-LoRA projections,
   the MLP) are called directly; attention is one `scaled_dot_product_attention` per layer
   (grouped-query heads native). Rotary tables are computed once per call exactly as the
@@ -240,11 +241,17 @@ class Decoder:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: int, longest: int) -> torch.Tensor:
         """Feed `tokens[j]` at `positions[j]` for the first `rows` slots (routing as set by the
-        caller); attend over positions [0, longest); logits [rows, V]."""
+        caller); attend over positions [0, longest) (or all, masked past them); logits [rows, V]."""
         cache = self.cache
         ar = self.arange[:rows]
         cache.bias[ar, positions] = 0.0
-        bias = cache.bias[:rows, None, None, :longest]
+        # attend over the whole cache once `longest` passes half of it: a slice [:longest] of
+        # the cache is strided, and a bf16 matmul copies it first; the positions past a row's
+        # keys are masked by `bias` (-inf) and hold finite values (zeros or padding's), so the
+        # result is the same. 12 rows x 3 key/value heads, 600 positions, 2 threads: attention
+        # over 599 of them 843 us per layer as a slice, 378 us over all 600.
+        span = longest if 2 * longest <= cache.bias.shape[1] else cache.bias.shape[1]
+        bias = cache.bias[:rows, None, None, :span]
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         group = self.heads // self.kv_heads
 
@@ -257,9 +264,9 @@ class Decoder:
             kc[ar, :, :, positions] = k[:, :, 0]
             vc[ar, :, positions] = v[:, :, 0]
             scores = torch.matmul(q.view(rows, self.kv_heads, group, self.head_dim),
-                                  kc[:rows, :, :, :longest])
+                                  kc[:rows, :, :, :span])
             weights = torch.softmax(scores.float() * self.layers[i].self_attn.scaling + bias, dim=-1)
-            out = torch.matmul(weights.to(vc.dtype), vc[:rows, :, :longest])
+            out = torch.matmul(weights.to(vc.dtype), vc[:rows, :, :span])
             return out.view(rows, self.heads, 1, self.head_dim)
 
         h = self.inner.embed_tokens(tokens[:, None])
