@@ -178,10 +178,9 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     for the base and, at one token per row, one per LoRA factor (`A` of all modules side by
     side, `B` block-diagonal; the dense kernel of `MultiLoraLinear`, over the slots the batch
     uses only: a propose phase of 2 teachers in a population of 4 computes 2 slots, not 4).
-    None where it does
-    not apply (then call the modules): decoding only
-    (`Routing.packed`, no gradients), bf16 weights on a oneDNN CPU, the same routing,
-    rank and scaling, biases on all modules or on none.
+    None where it does not apply (then call the modules): decoding only (`Routing.packed`,
+    no gradients), bf16 weights on a oneDNN CPU, the same routing, rank and scaling, biases
+    on all modules or on none.
 
     Prefill with adapters (several tokens per row): the fused base product, then each
     module's own gather kernel for its LoRA term.
