@@ -125,13 +125,15 @@ def test_fork_bomb(layer):
 
 
 def test_memory_bomb(layer):
-    assert hostile("def f():\n    return bytearray(10**10)").status == "memory"
+    # a wall clock of 5 s, not 1: on a loaded machine the growing bomb's 26 page-faulting
+    # chunks once took longer than 1 s to reach the limit (status "timeout")
+    assert hostile("def f():\n    return bytearray(10**10)", timeout_s=5.0).status == "memory"
     grow = hostile("""
         def f():
             chunks = []
             while True:
                 chunks.append(bytearray(10**7))
-        """)
+        """, timeout_s=5.0)
     assert grow.status == "memory", grow
     assert_still_serving()
 
