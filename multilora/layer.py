@@ -223,12 +223,12 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
             cache.update(stacks=stacks, lora={})
         # only the slots this batch uses (a propose phase routes to the teachers alone):
         # packed once per set of slots, kept while the factors stay the same
-        used = modules[0].routing.used_slots()[0]
-        factors = cache["lora"].get(tuple(used))
+        used = tuple(modules[0].routing.used_slots()[0])
+        factors = cache["lora"].get(used)
         if factors is None:
             if len(cache["lora"]) >= USED_SETS_KEPT:
                 cache["lora"].clear()
-            factors = cache["lora"][tuple(used)] = _packed_factors(stacks, used, sizes)
+            factors = cache["lora"][used] = _packed_factors(stacks, used, sizes)
         rank = stacks[0][0].shape[1]
         mask = modules[0].routing.row_mask(len(used), rank, x.dtype, x.device, groups=len(modules), used_only=True)
         h = packed_weights.linear(flat, factors[0]) * mask
@@ -240,7 +240,7 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
 USED_SETS_KEPT = 8
 
 
-def _packed_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: list[int], sizes: list[int]) -> tuple:
+def _packed_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: tuple[int, ...], sizes: list[int]) -> tuple:
     """Packed `A` of slots `used` of every module side by side `[G U r, in]`, and their `B`
     block-diagonal `[sum(out), G U r]` (`packed_group`)."""
     index = torch.tensor(used, device=stacks[0][0].device)
