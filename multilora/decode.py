@@ -137,11 +137,13 @@ class _Cache:
         self.bias = torch.full((rows, length), float("-inf"), dtype=torch.float32, device=device)
 
 
-class Decoder:
-    """The forward passes of one call (prefill one prompt into slots; decode one token per
-    slot) over a Llama-family model; see the module docstring."""
+class Blocks:
+    """The decoder layers of a Llama-family model (`supports`) called directly: rotary tables
+    for positions [0, length) and one layer's forward around a caller's attention
+    (`attention_block`). The decode loop (`Decoder`) and the learner's shared-prompt forward
+    (`multilora.logprobs`) build on it."""
 
-    def __init__(self, model, rows: int, length: int) -> None:
+    def __init__(self, model, length: int) -> None:
         base = model.base
         inner = base.model
         cfg = base.config
@@ -154,7 +156,6 @@ class Decoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         weight = inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.cache = _Cache(len(self.layers), rows, self.kv_heads, length, self.head_dim, self.dtype, self.device)
         # rotary tables for every position, as the model's rotary embedding computes them
         rotary = inner.rotary_emb
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
@@ -167,7 +168,6 @@ class Decoder:
         sin = (emb.sin() * scaling).to(self.dtype)
         half = self.head_dim // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.arange = torch.arange(rows, device=self.device)
 
     @staticmethod
     def _proj(module, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +175,10 @@ class Decoder:
         out = packed_group([module], x)
         return module(x) if out is None else out[0]
 
-    def _attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
+    def attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """Layer `i` on hidden states `h` `[batch, tokens, hidden]`: `attend(i, q, k, v)` gets
+        the rotated queries `[batch, heads, tokens, head_dim]` and keys/values `[batch,
+        kv_heads, tokens, head_dim]` and returns the attention output shaped like `q`."""
         batch, tokens, _ = h.shape
         attn, mlp, proj = layer.self_attn, layer.mlp, self._proj
         x = layer.input_layernorm(h)
@@ -187,12 +190,22 @@ class Decoder:
         half = self.head_dim // 2
         q = q * cos + q.roll(half, dims=-1) * sin  # rotary positions (Su et al. 2021), as the model's
         k = k * cos + k.roll(half, dims=-1) * sin
-        o = attend(i, q, k, v, write)
+        o = attend(i, q, k, v)
         o = o.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim)
         h = h + proj(attn.o_proj, o)
         x = layer.post_attention_layernorm(h)
         gate, up = packed_group([mlp.gate_proj, mlp.up_proj], x) or [proj(mlp.gate_proj, x), proj(mlp.up_proj, x)]
         return h + proj(mlp.down_proj, mlp.act_fn(gate) * up)
+
+
+class Decoder(Blocks):
+    """The forward passes of one call (prefill one prompt into slots; decode one token per
+    slot) over a Llama-family model; see the module docstring."""
+
+    def __init__(self, model, rows: int, length: int) -> None:
+        super().__init__(model, length)
+        self.cache = _Cache(len(self.layers), rows, self.kv_heads, length, self.head_dim, self.dtype, self.device)
+        self.arange = torch.arange(rows, device=self.device)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: torch.Tensor | None,
@@ -218,7 +231,7 @@ class Decoder:
         for p, group in enumerate(rows):
             cache.bias[torch.tensor(group, device=self.device), : lengths[p]] = 0.0
 
-        def attend(i, q, k, v, _):
+        def attend(i, q, k, v):
             # every slot of a prompt gets its keys/values (positions past a prompt's end hold
             # padding's, masked by `bias` until decoding overwrites them)
             cache.k[i][targets, :, :, :width] = k[sources].transpose(-1, -2)
@@ -232,7 +245,7 @@ class Decoder:
         try:
             h = self.inner.embed_tokens(ids)
             for i, layer in enumerate(self.layers):
-                h = self._attention_block(i, layer, h, cos, sin, None, attend)
+                h = self.attention_block(i, layer, h, cos, sin, attend)
             last = h[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
             return self._proj(self.lm_head, self.inner.norm(last))
         finally:
@@ -256,7 +269,7 @@ class Decoder:
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         group = self.heads // self.kv_heads
 
-        def attend(i, q, k, v, _):
+        def attend(i, q, k, v):
             # one query per row: plain matmuls over [rows, kv_heads, group, .] (the query heads
             # that share a key/value head side by side), softmax in fp32. Measured against
             # scaled_dot_product_attention with a mask (bf16, 16 rows x 300 keys, 1 thread):
@@ -272,7 +285,7 @@ class Decoder:
 
         h = self.inner.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.layers):
-            h = self._attention_block(i, layer, h, cos, sin, None, attend)
+            h = self.attention_block(i, layer, h, cos, sin, attend)
         return self._proj(self.lm_head, self.inner.norm(h))[:, 0]
 
     def save(self, row: int, length: int, logits: torch.Tensor) -> tuple:

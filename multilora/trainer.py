@@ -44,10 +44,26 @@ class TrainerSettings:
 
 
 def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
-    """Indices of `samples` in micro-batches of `size`, sorted by length to keep padding low
-    (the batches still mix adapters freely)."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    """Indices of `samples` in micro-batches of at most `size`, adapters mixed freely. Rows
+    of one adapter and prompt (a student's rollouts of one task) stay together, so the
+    forward computes their prompt once (`logprobs.token_logprobs`); groups go in order of
+    their longest row to keep padding low, and one larger than `size` is split."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.adapter, s.prompt_ids), []).append(i)
+    length = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for rows in sorted(groups.values(), key=lambda g: max(length[i] for i in g)):
+        rows = sorted(rows, key=length.__getitem__)
+        for part in (rows[j:j + size] for j in range(0, len(rows), size)):
+            if current and len(current) + len(part) > size:
+                batches.append(current)
+                current = []
+            current = current + part
+    if current:
+        batches.append(current)
+    return batches
 
 
 def pack_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int) -> PackedBatch:

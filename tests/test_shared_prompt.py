@@ -1,0 +1,113 @@
+"""The learner computes a prompt shared by several rows (one adapter's rollouts of one task)
+once: the same log-probs and the same gradients as computing every row whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multilora import logprobs as logprobs_mod
+from multilora.logprobs import pack, token_logprobs
+from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, micro_batches
+
+SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"))
+
+
+def _model(path: str) -> MultiLoraModel:
+    m = MultiLoraModel(load_base_model(path, torch.float32), SPEC, n_slots=3)
+    g = torch.Generator().manual_seed(0)
+    for name in "ab":
+        m.add_adapter(name, generator=g)
+        with torch.no_grad():
+            for p in m.adapter_parameters(name):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    m.set_trainable(True)
+    return m
+
+
+def _rows():
+    """Two groups of rollouts sharing a prompt (one per adapter, prompts of different
+    lengths), a row alone, completions of different lengths, one with supplied tokens."""
+    p1, p2, p3 = tuple(range(5, 17)), tuple(range(30, 37)), tuple(range(40, 49))
+    rows = [("a", p1, (50, 51, 52, 53)), ("a", p1, (60,)), ("a", p1, (61, 62, 63, 64, 65, 66)),
+            ("b", p2, (70, 71, 72)), ("b", p2, (73, 74)), ("a", p3, (80, 81, 82)), ("b", p1, (90, 91))]
+    supplied = [(), (), (False, True, True, False, False, False), (), (), (), ()]
+    return rows, supplied
+
+
+def _logprobs(model, shared: bool, monkeypatch):
+    rows, supplied = _rows()
+    packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
+    if not shared:
+        monkeypatch.setattr(logprobs_mod, "_prompt_groups", lambda *a: None)
+    try:
+        return packed, token_logprobs(model, packed, [a for a, _, _ in rows])
+    finally:
+        monkeypatch.undo()
+
+
+def test_shared_prompt_same_logprobs_and_gradients(tiny_model_path, monkeypatch):
+    model = _model(tiny_model_path)
+    assert logprobs_mod._prompt_groups(pack([p for _, p, _ in _rows()[0]], [c for _, _, c in _rows()[0]], 0),
+                                       [a for a, _, _ in _rows()[0]]) == [[0, 1, 2], [3, 4], [5], [6]]
+    weights = torch.randn(7, 1, generator=torch.Generator().manual_seed(1))
+    results = []
+    for shared in (False, True):
+        model.zero_grad(set_to_none=True)
+        packed, logp = _logprobs(model, shared, monkeypatch)
+        (logp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), grads))
+    (whole, g_whole), (shared, g_shared) = results
+    assert whole.shape == shared.shape == packed.completion_mask.shape
+    assert torch.equal(whole == 0, shared == 0)  # the same completion positions, nothing else
+    assert (shared != 0).sum() == packed.completion_mask.sum()
+    assert torch.allclose(whole, shared, atol=1e-5), (whole - shared).abs().max()
+    assert g_whole.keys() == g_shared.keys() and g_whole
+    for name in g_whole:
+        assert torch.allclose(g_whole[name], g_shared[name], rtol=1e-4, atol=1e-6), name
+    # the unused slot has no gradient
+    assert all(".2." not in n for n in g_whole if "lora" in n)
+
+
+def test_micro_batches_keep_a_prompts_rows_together():
+    samples = []
+    for task in range(5):  # 5 prompts x 3 rollouts, 2 adapters, lengths varying
+        for k in range(3):
+            samples.append(TrainSample("ab"[task % 2], tuple(range(task, task + 10 + task)), (1,) * (k + task), 1.0))
+    samples.append(TrainSample("a", tuple(range(99, 140)), (1,) * 40, 1.0))
+    for size in (1, 2, 4, 8):
+        batches = micro_batches(samples, size)
+        assert sorted(i for b in batches for i in b) == list(range(len(samples)))
+        assert all(1 <= len(b) <= size for b in batches)
+        if size >= 3:  # every group of 3 fits a batch: never split
+            for task in range(5):
+                assert sum(any(3 * task + k in b for k in range(3)) for b in batches) == 1
+    # in order of length: the long lone row comes last
+    assert micro_batches(samples, 8)[-1][-1] == len(samples) - 1
+
+
+def test_update_with_shared_prompts_matches_whole_rows(tiny_model_path, monkeypatch):
+    rows, supplied = _rows()
+    samples = [TrainSample(a, p, c, adv, s) for (a, p, c), s, adv in
+               zip(rows, supplied, (1.0, -0.5, 0.7, 1.2, -1.0, 0.3, -0.4))]
+    finals = []
+    for shared in (False, True):
+        model = _model(tiny_model_path)
+        trainer = PolicyTrainer(model, TrainerSettings(lr=1e-3, micro_batch=4), pad_id=0)
+        if not shared:
+            monkeypatch.setattr(logprobs_mod, "_prompt_groups", lambda *a: None)
+        calls = []
+        real = logprobs_mod._shared_prompt_logprobs
+        monkeypatch.setattr(logprobs_mod, "_shared_prompt_logprobs", lambda *a: calls.append(1) or real(*a))
+        stats = trainer.update(samples)
+        monkeypatch.undo()
+        assert bool(calls) == shared
+        finals.append(({n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}, stats))
+    (p_whole, s_whole), (p_shared, s_shared) = finals
+    for name in p_whole:
+        assert torch.allclose(p_whole[name], p_shared[name], atol=1e-6), name
+    for adapter in s_whole:
+        assert s_whole[adapter]["loss"] == pytest.approx(s_shared[adapter]["loss"], abs=1e-5)
