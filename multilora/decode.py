@@ -86,6 +86,43 @@ def prefill_batches(lengths: Sequence[int], cap: int = PREFILL_TOKENS,
     return batches[::-1]
 
 
+# A head shared by prompts of one adapter is prefilled once when it is at least this long
+# (teacher prompts of one task type share 78-160 tokens; prompts of different types share
+# the chat template's 27-48, not worth a pass of their own)
+MIN_SHARED_HEAD = 64
+
+
+def shared_heads(prompts: Sequence[Sequence[int]], adapters: Sequence,
+                 min_head: int = MIN_SHARED_HEAD) -> list[tuple[list[int], int]]:
+    """Groups of at least two prompts (indices) of one adapter sharing their first `length`
+    tokens, `min_head` <= length < each member's own length, as (members, length).
+    Prompts sorted by adapter and tokens, consecutive ones grouped while the group's saving,
+    (members - 1) x length, does not shrink: a prompt with a shorter common head starts a
+    group of its own."""
+    order = sorted(range(len(prompts)), key=lambda i: (str(adapters[i]), tuple(prompts[i])))
+    out: list[tuple[list[int], int]] = []
+    members: list[int] = []
+    length = 0
+
+    def close() -> None:
+        if len(members) > 1:
+            out.append((list(members), length))
+
+    for i in order:
+        if members and adapters[i] == adapters[members[-1]]:
+            a, b = prompts[members[-1]], prompts[i]
+            common = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            joined = min(common, len(b) - 1, length if len(members) > 1 else len(a) - 1)
+            if joined >= min_head and len(members) * joined >= (len(members) - 1) * length:
+                members.append(i)
+                length = joined
+                continue
+        close()
+        members, length = [i], 0
+    close()
+    return out
+
+
 def supports(model) -> bool:
     """Whether `model.base` is a Llama-family causal LM this loop can run."""
     inner = getattr(getattr(model, "base", None), "model", None)
@@ -209,35 +246,63 @@ class Decoder(Blocks):
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: torch.Tensor | None,
-                rows: list[list[int]]) -> torch.Tensor:
+                rows: list[list[int]], starts: Sequence[int] | None = None) -> torch.Tensor:
         """Run `prompts` once, in one batch routed to `slots` (one adapter slot per prompt, or
-        None), write prompt p's keys/values into cache rows `rows[p]` at positions [0, len),
-        and return each prompt's last-position logits [P, V].
+        None), write prompt p's keys/values into cache rows `rows[p]` at positions [start_p,
+        start_p + len_p), and return each prompt's last-position logits [P, V].
+
+        `starts` (default all 0): prompt p continues what its rows already hold at positions
+        [0, start_p) (a head shared with other prompts, prefilled once: `_decode`), and
+        attends to those keys as well as causally to its own.
 
         Right padding: prompt p holds positions [0, len_p) of its batch row, so the plain
-        causal mask is exact for its tokens (padding only ever follows them) and rotary
-        positions are the same 0..L-1 for every row."""
+        causal mask is exact for its tokens (padding only ever follows them)."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
+        starts = list(starts) if starts is not None else [0] * len(prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         for p, prompt in enumerate(prompts):
             ids[p, : lengths[p]] = torch.tensor(list(prompt), dtype=torch.long)
         ids = ids.to(self.device)
-        cos, sin = self.cos[None, None, :width], self.sin[None, None, :width]
         cache = self.cache
         targets = torch.tensor([r for group in rows for r in group], device=self.device)
         sources = torch.tensor([p for p, group in enumerate(rows) for _ in group], device=self.device)
+        groups = [torch.tensor(group, device=self.device) for group in rows]
         cache.bias[targets] = float("-inf")
-        for p, group in enumerate(rows):
-            cache.bias[torch.tensor(group, device=self.device), : lengths[p]] = 0.0
+        for p, group in enumerate(groups):
+            cache.bias[group, : starts[p] + lengths[p]] = 0.0
+        span = max(starts)
+        gqa = self.kv_heads != self.heads
+        if not span:
+            cos, sin = self.cos[None, None, :width], self.sin[None, None, :width]
 
-        def attend(i, q, k, v):
-            # every slot of a prompt gets its keys/values (positions past a prompt's end hold
-            # padding's, masked by `bias` until decoding overwrites them)
-            cache.k[i][targets, :, :, :width] = k[sources].transpose(-1, -2)
-            cache.v[i][targets, :, :width] = v[sources]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layers[i].self_attn.scaling,
-                                                  enable_gqa=self.kv_heads != self.heads)
+            def attend(i, q, k, v):
+                # every slot of a prompt gets its keys/values (positions past a prompt's end hold
+                # padding's, masked by `bias` until decoding overwrites them)
+                cache.k[i][targets, :, :, :width] = k[sources].transpose(-1, -2)
+                cache.v[i][targets, :, :width] = v[sources]
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layers[i].self_attn.scaling,
+                                                      enable_gqa=gqa)
+        else:
+            positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+            first = torch.tensor([group[0] for group in rows], device=self.device)
+            # query t of prompt p sees the head (positions < start_p) and its own tokens <= t
+            sees_head = torch.arange(span, device=self.device)[None, :] < torch.tensor(starts, device=self.device)[:, None]
+            causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
+            mask = torch.cat((sees_head[:, None, :].expand(-1, width, -1), causal[None].expand(len(prompts), -1, -1)),
+                             dim=-1)[:, None]
+
+            def attend(i, q, k, v):
+                head_k = cache.k[i][first, :, :, :span].transpose(-1, -2)
+                head_v = cache.v[i][first, :, :span]
+                for p, group in enumerate(groups):  # its own positions only: a padded row may run past the cache
+                    at, n = starts[p], lengths[p]
+                    cache.k[i][group, :, :, at:at + n] = k[p, :, :n].transpose(-1, -2)
+                    cache.v[i][group, :, at:at + n] = v[p, :, :n]
+                return F.scaled_dot_product_attention(q, torch.cat((head_k, k), dim=2), torch.cat((head_v, v), dim=2),
+                                                      attn_mask=mask, scale=self.layers[i].self_attn.scaling,
+                                                      enable_gqa=gqa)
 
         routing = self.model.routing
         previous = routing.slots
@@ -445,11 +510,23 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
             groups.append((ri, group))
         fresh = [(ri, g) for ri, g in groups if ri not in stash]
         got: dict[int, torch.Tensor] = {}
-        for members in prefill_batches([len(requests[ri].prompt_ids) for ri, _ in fresh]):
+        # heads shared by prompts of one adapter are prefilled once, into all their slots
+        start = [0] * len(fresh)
+        heads = [(members, length) for members, length in shared_heads(
+            [requests[ri].prompt_ids for ri, _ in fresh], [requests[ri].adapter for ri, _ in fresh])]
+        for batch in prefill_batches([length for _, length in heads]):
+            chosen = [heads[b] for b in batch]
+            slots = model.slots_for([requests[fresh[m[0]][0]].adapter for m, _ in chosen]) if has_slots else None
+            dec.prefill([requests[fresh[m[0]][0]].prompt_ids[:length] for m, length in chosen], slots,
+                        [[s for j in m for _, s in fresh[j][1]] for m, _ in chosen])
+            for m, length in chosen:
+                for j in m:
+                    start[j] = length
+        for members in prefill_batches([len(requests[ri].prompt_ids) - start[j] for j, (ri, _) in enumerate(fresh)]):
             batch = [fresh[j] for j in members]
             slots = (model.slots_for([requests[ri].adapter for ri, _ in batch]) if has_slots else None)
-            logits = dec.prefill([requests[ri].prompt_ids for ri, _ in batch], slots,
-                                 [[s for _, s in g] for _, g in batch])
+            logits = dec.prefill([requests[ri].prompt_ids[start[j]:] for j, (ri, _) in zip(members, batch)], slots,
+                                 [[s for _, s in g] for _, g in batch], [start[j] for j in members])
             for j, (ri, _) in enumerate(batch):
                 got[ri] = logits[j]
         for ri, group in groups:

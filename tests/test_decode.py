@@ -102,9 +102,9 @@ def test_one_prefill_per_prompt_and_full_batches(model, tokenizer, monkeypatch):
     prefilled, widths = [], []
     original_prefill, original_step = decode_mod.Decoder.prefill, decode_mod.Decoder.step
 
-    def prefill(self, prompts, slots, rows):
+    def prefill(self, prompts, slots, rows, starts=None):
         prefilled.extend(tuple(p) for p in prompts)
-        return original_prefill(self, prompts, slots, rows)
+        return original_prefill(self, prompts, slots, rows, starts)
 
     def step(self, tokens, positions, rows, longest):
         widths.append(rows)
@@ -122,6 +122,48 @@ def test_one_prefill_per_prompt_and_full_batches(model, tokenizer, monkeypatch):
     assert sorted(prefilled) == sorted({r.prompt_ids for r in reqs}), f"prefills: {prefilled}"
     # 8 short rollouts pass through 3 slots: the batch stays full while any rollout waits
     assert widths[0] == 3 and max(widths) == 3
+
+
+def test_shared_heads_groups():
+    head, other = tuple(range(100, 180)), tuple(range(200, 280))  # 80 tokens each
+    prompts = [head + (1, 2), other + (3,), head + (4,), head + (1, 2), head[:70] + (9,), head + (5,), other + (6,)]
+    adapters = ["a", "a", "a", "a", "a", "b", "b"]
+    # "a": four prompts share 70 tokens (saving 3 x 70, more than three sharing 80);
+    # "b": its two prompts share nothing, `other` is not `head`
+    assert [(sorted(m), n) for m, n in decode_mod.shared_heads(prompts, adapters)] == [([0, 2, 3, 4], 70)]
+    assert decode_mod.shared_heads(prompts, adapters, min_head=100) == []
+    # three copies of a long prompt keep their 199 tokens: a fourth sharing only 70 stays alone
+    long = head + tuple(range(300, 420))
+    groups = decode_mod.shared_heads([long, long, long, head[:70] + (500,)], ["a"] * 4)
+    assert [(sorted(m), n) for m, n in groups] == [([0, 1, 2], 199)]  # a prompt keeps a token of its own
+
+
+def test_shared_heads_prefilled_once_and_equal_to_the_reference(model, tokenizer, monkeypatch):
+    prefilled = []
+    original = decode_mod.Decoder.prefill
+
+    def prefill(self, prompts, slots, rows, starts=None):
+        prefilled.append(sum(len(p) for p in prompts))
+        return original(self, prompts, slots, rows, starts)
+
+    monkeypatch.setattr(decode_mod.Decoder, "prefill", prefill)
+    head = tuple(tokenizer("def f(x):\n    return [x + i for i in range(10)]\n" * 6)["input_ids"])
+    assert len(head) >= decode_mod.MIN_SHARED_HEAD
+    tails = [tuple(tokenizer(f"# case {i}" + " and more" * i)["input_ids"]) for i in range(4)]
+    reqs = [GenerationRequest("abca"[i], head + tails[i], SamplingParams(temperature=0.0, max_new_tokens=5 + i,
+                                                                        n=1 + i % 2, ignore_eos=True))
+            for i in range(4)]
+    reqs.append(GenerationRequest("a", tuple(tokenizer("x = 1")["input_ids"]), SamplingParams(
+        temperature=0.0, max_new_tokens=4, ignore_eos=True)))
+    for max_batch in (32, 2):  # 2: rollouts wait, their prompt's keys are stashed and restored
+        prefilled.clear()
+        _same(generate_dynamic(model, tokenizer, reqs, max_batch=32), generate(model, tokenizer, reqs,
+                                                                                max_batch=max_batch))
+        if max_batch == 32:  # requests 0 and 3 ("a") share the head (and "# case"): prefilled once
+            a, b = reqs[0].prompt_ids, reqs[3].prompt_ids
+            common = next(n for n, (x, y) in enumerate(zip(a, b)) if x != y)
+            assert common >= len(head)
+            assert sum(prefilled) == sum(len(r.prompt_ids) for r in reqs) - common
 
 
 def test_cache_is_allocated_once(model, tokenizer, monkeypatch):
