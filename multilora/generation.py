@@ -155,6 +155,11 @@ def generate(model: MultiLoraModel, tokenizer, requests: Sequence[GenerationRequ
     Llama-family models: `multilora.decode` (rows of all requests share the batch; a
     finished row's slot goes to the next waiting rollout). Others: rows sorted by prompt
     length (to limit padding), batched `max_batch` at a time."""
+    context = getattr(getattr(getattr(model, "base", None), "config", None), "max_position_embeddings", None)
+    for i, r in enumerate(requests):  # as vLLM: a prompt must leave the model room for a token
+        if context and len(r.prompt_ids) >= context:
+            raise ValueError(f"request {i}: a prompt of {len(r.prompt_ids)} tokens does not fit the model's "
+                             f"context of {context}")
     if supports(model):
         completions = decode(model, tokenizer, requests, max_batch=max_batch, generator=generator)
         return [RequestOutput(r.prompt_ids, tuple(c)) for r, c in zip(requests, completions)]

@@ -107,6 +107,14 @@ def test_generation_mixed_adapters_stop_and_n(model, tokenizer):
         assert stopped.finish_reason == "stop" and stop in stopped.text
 
 
+def test_generation_refuses_a_prompt_past_the_context(model, tokenizer):
+    context = model.base.config.max_position_embeddings
+    fits = GenerationRequest("a", (1,) * (context - 1), SamplingParams(temperature=0.0, max_new_tokens=1))
+    long = GenerationRequest("a", (1,) * context, SamplingParams(temperature=0.0, max_new_tokens=1))
+    with pytest.raises(ValueError, match=f"request 1: a prompt of {context} tokens does not fit"):
+        generate(model, tokenizer, [fits, long])
+
+
 def test_trainer_updates_only_adapters_in_the_batch(model, tokenizer):
     trainer = PolicyTrainer(model, TrainerSettings(lr=1e-2, micro_batch=2), pad_id=tokenizer.pad_token_id)
     before = {n: model.export_adapter(n) for n in ("a", "b", "c")}

@@ -33,6 +33,8 @@ def test_validate_valid_code_o_and_code_i():
     ("def f(x):\n    return object()", "1", "output is not a literal"),
     (SORT, "[3, 1], len('ab')", "input is not a literal argument list"),
     (SORT, "1), print(2", "input is not a literal argument list"),
+    # the program a teacher wrote in a learning run: 9,900 numbers, a 78k-token student prompt
+    ("def f(d):\n    return [i * 100 for i in range(10001) if i % 100]", "0", "output too long (78"),
 ])
 def test_validate_invalid(program, input_text, reason):
     result = validate("code_o", program, input=input_text, timeout_s=0.5)

@@ -15,6 +15,10 @@ from .execute import VALIDATION_SEEDS, RunResult, run_program
 TASK_TYPES = ("code_i", "code_o", "code_f")
 MALFORMED = "malformed"
 WRONG = "wrong"
+# A gold output longer than this (its repr, in characters) makes a proposal invalid: the
+# task's prompts show it, and one program printed a 10,000-element list (78k tokens, past
+# any small model's context; a student prompt that long took the inference server's memory)
+MAX_OUTPUT_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ def _gold_output(program: str, call: str, timeout_s: float, memory_mb: int
     (first_text, first), (_, second) = values
     if not (equal_values(first, second) and equal_values(second, first)):
         return None, "non-deterministic"
+    if len(first_text) > MAX_OUTPUT_CHARS:
+        return None, f"output too long ({len(first_text)} characters, at most {MAX_OUTPUT_CHARS})"
     return first_text, None
 
 
