@@ -284,7 +284,9 @@ class Decoder(Blocks):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layers[i].self_attn.scaling,
                                                       enable_gqa=gqa)
         else:
-            positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            # a short prompt's padding may run past the cache: its positions are never attended
+            positions = (torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+                         ).clamp(max=self.cos.shape[0] - 1)
             cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
             first = torch.tensor([group[0] for group in rows], device=self.device)
             # query t of prompt p sees the head (positions < start_p) and its own tokens <= t

@@ -166,6 +166,18 @@ def test_shared_heads_prefilled_once_and_equal_to_the_reference(model, tokenizer
             assert sum(prefilled) == sum(len(r.prompt_ids) for r in reqs) - common
 
 
+def test_continued_prompt_batched_with_a_longer_one(model, tokenizer, monkeypatch):
+    """A prompt continuing a shared head, padded to a longer prompt of its prefill batch,
+    with budgets too small for head + padding to fit the cache: still the reference's."""
+    monkeypatch.setattr(decode_mod, "prefill_batches", lambda lengths, *a, **k: [list(range(len(lengths)))])
+    head = tuple(range(1000, 1070))
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    reqs = [GenerationRequest("a", head + tuple(range(2000, 2010)), params),
+            GenerationRequest("a", head + tuple(range(3000, 3012)), params),
+            GenerationRequest("b", tuple(range(4000, 4100)), params)]
+    _same(generate_dynamic(model, tokenizer, reqs), generate(model, tokenizer, reqs))
+
+
 def test_cache_is_allocated_once(model, tokenizer, monkeypatch):
     pointers = []
     original = decode_mod.Decoder.step
