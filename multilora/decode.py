@@ -87,8 +87,8 @@ def prefill_batches(lengths: Sequence[int], cap: int = PREFILL_TOKENS,
 
 
 # A head shared by prompts of one adapter is prefilled once when it is at least this long
-# (teacher prompts of one task type share 78-160 tokens; prompts of different types share
-# the chat template's 27-48, not worth a pass of their own)
+# (a teacher's code_i or code_o prompts share their first 155-160 tokens, its code_f prompts
+# 47, prompts of different types 27-48: the chat template and little more)
 MIN_SHARED_HEAD = 64
 
 
