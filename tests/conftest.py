@@ -19,6 +19,28 @@ def tiny_model_path() -> str:
     return str(prepare("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def lora_model(tiny_model_path):
+    """A factory: the tiny model with adapters `names` (PEFT's init from one seeded
+    generator, then noise on every factor, so B is non-zero and each adapter matters)."""
+    import torch
+
+    from multilora.model import MultiLoraModel, load_base_model
+
+    def make(spec, n_slots: int, names, dtype=torch.float32):
+        m = MultiLoraModel(load_base_model(tiny_model_path, dtype), spec, n_slots=n_slots)
+        g = torch.Generator().manual_seed(0)
+        for name in names:
+            m.add_adapter(name, generator=g)
+            with torch.no_grad():
+                for p in m.adapter_parameters(name):
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        m.invalidate()
+        return m
+
+    return make
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,28 +9,16 @@ import torch
 
 from multilora import decode as decode_mod
 from multilora.generation import GenerationRequest, SamplingParams, generate, generate_dynamic
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat
 
 SPEC = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"))
 
 
-def _model(path: str, dtype: torch.dtype) -> MultiLoraModel:
-    m = MultiLoraModel(load_base_model(path, dtype), SPEC, n_slots=4)
-    g = torch.Generator().manual_seed(0)
-    for name in "abc":
-        m.add_adapter(name, generator=g)
-        with torch.no_grad():
-            for p in m.adapter_parameters(name):
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    m.invalidate()
-    return m
-
-
 @pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return _model(tiny_model_path, torch.float32)
+def model(lora_model):
+    return lora_model(SPEC, 4, "abc")
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +179,8 @@ def test_cache_is_allocated_once(model, tokenizer, monkeypatch):
     assert len(pointers) > 10 and len(set(pointers)) == 1
 
 
-def test_bf16_base_agrees_with_the_reference(tiny_model_path, tokenizer):
-    m = _model(tiny_model_path, torch.bfloat16)
+def test_bf16_base_agrees_with_the_reference(lora_model, tokenizer):
+    m = lora_model(SPEC, 4, "abc", torch.bfloat16)
     reqs = _requests(tokenizer)
     reference = generate_dynamic(m, tokenizer, reqs)
     ours = generate(m, tokenizer, reqs, max_batch=4)

@@ -11,7 +11,7 @@ import torch
 
 from multilora.generation import GenerationRequest, SamplingParams, generate
 from multilora.logprobs import pack, token_logprobs
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat, supplied_mask
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
@@ -42,15 +42,8 @@ def tokenizer(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_path):
-    m = MultiLoraModel(load_base_model(tiny_model_path), SPEC, n_slots=2)
-    g = torch.Generator().manual_seed(0)
-    m.add_adapter("a", generator=g)
-    with torch.no_grad():  # a non-zero B, so the adapter matters
-        for p in m.adapter_parameters("a"):
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    m.invalidate()
-    return m
+def model(lora_model):
+    return lora_model(SPEC, 2, "a")  # a non-zero B, so the adapter matters
 
 
 def _prompt(tokenizer) -> tuple[int, ...]:

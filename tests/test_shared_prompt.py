@@ -8,21 +8,15 @@ import torch
 
 from multilora import logprobs as logprobs_mod
 from multilora.logprobs import pack, token_logprobs
-from multilora.model import LoraSpec, MultiLoraModel, load_base_model
+from multilora.model import LoraSpec, MultiLoraModel
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, micro_batches
 
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                     "down_proj"))
 
 
-def _model(path: str) -> MultiLoraModel:
-    m = MultiLoraModel(load_base_model(path, torch.float32), SPEC, n_slots=3)
-    g = torch.Generator().manual_seed(0)
-    for name in "ab":
-        m.add_adapter(name, generator=g)
-        with torch.no_grad():
-            for p in m.adapter_parameters(name):
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+def _model(lora_model) -> MultiLoraModel:
+    m = lora_model(SPEC, 3, "ab")
     m.set_trainable(True)
     return m
 
@@ -48,8 +42,8 @@ def _logprobs(model, shared: bool, monkeypatch):
         monkeypatch.undo()
 
 
-def test_shared_prompt_same_logprobs_and_gradients(tiny_model_path, monkeypatch):
-    model = _model(tiny_model_path)
+def test_shared_prompt_same_logprobs_and_gradients(lora_model, monkeypatch):
+    model = _model(lora_model)
     assert logprobs_mod._prompt_groups(pack([p for _, p, _ in _rows()[0]], [c for _, _, c in _rows()[0]], 0),
                                        [a for a, _, _ in _rows()[0]]) == [[0, 1, 2], [3, 4], [5], [6]]
     weights = torch.randn(7, 1, generator=torch.Generator().manual_seed(1))
@@ -89,13 +83,13 @@ def test_micro_batches_keep_a_prompts_rows_together():
     assert micro_batches(samples, 8)[-1][-1] == len(samples) - 1
 
 
-def test_update_with_shared_prompts_matches_whole_rows(tiny_model_path, monkeypatch):
+def test_update_with_shared_prompts_matches_whole_rows(lora_model, monkeypatch):
     rows, supplied = _rows()
     samples = [TrainSample(a, p, c, adv, s) for (a, p, c), s, adv in
                zip(rows, supplied, (1.0, -0.5, 0.7, 1.2, -1.0, 0.3, -0.4))]
     finals = []
     for shared in (False, True):
-        model = _model(tiny_model_path)
+        model = _model(lora_model)
         trainer = PolicyTrainer(model, TrainerSettings(lr=1e-3, micro_batch=4), pad_id=0)
         if not shared:
             monkeypatch.setattr(logprobs_mod, "_prompt_groups", lambda *a: None)
