@@ -123,6 +123,16 @@ def shared_heads(prompts: Sequence[Sequence[int]], adapters: Sequence,
     return out
 
 
+def continuation_mask(prefix: torch.Tensor, span: int, width: int) -> torch.Tensor:
+    """Attention mask `[rows, 1, width, span + width]` of rows that continue a prefix (keys
+    `[0, span)`, then the row's own `width` tokens): query t of row r sees the first
+    `prefix[r]` prefix keys and its own tokens up to t."""
+    sees = torch.arange(span, device=prefix.device)[None, :] < prefix[:, None]
+    causal = torch.ones((width, width), dtype=torch.bool, device=prefix.device).tril()
+    return torch.cat((sees[:, None, :].expand(-1, width, -1), causal[None].expand(len(prefix), -1, -1)),
+                     dim=-1)[:, None]
+
+
 def supports(model) -> bool:
     """Whether `model.base` is a Llama-family causal LM this loop can run."""
     inner = getattr(getattr(model, "base", None), "model", None)
@@ -289,11 +299,7 @@ class Decoder(Blocks):
                          ).clamp(max=self.cos.shape[0] - 1)
             cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
             first = torch.tensor([group[0] for group in rows], device=self.device)
-            # query t of prompt p sees the head (positions < start_p) and its own tokens <= t
-            sees_head = torch.arange(span, device=self.device)[None, :] < torch.tensor(starts, device=self.device)[:, None]
-            causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-            mask = torch.cat((sees_head[:, None, :].expand(-1, width, -1), causal[None].expand(len(prompts), -1, -1)),
-                             dim=-1)[:, None]
+            mask = continuation_mask(torch.tensor(starts, device=self.device), span, width)
 
             def attend(i, q, k, v):
                 head_k = cache.k[i][first, :, :, :span].transpose(-1, -2)
@@ -514,8 +520,7 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
         got: dict[int, torch.Tensor] = {}
         # heads shared by prompts of one adapter are prefilled once, into all their slots
         start = [0] * len(fresh)
-        heads = [(members, length) for members, length in shared_heads(
-            [requests[ri].prompt_ids for ri, _ in fresh], [requests[ri].adapter for ri, _ in fresh])]
+        heads = shared_heads([requests[ri].prompt_ids for ri, _ in fresh], [requests[ri].adapter for ri, _ in fresh])
         for batch in prefill_batches([length for _, length in heads]):
             chosen = [heads[b] for b in batch]
             slots = model.slots_for([requests[fresh[m[0]][0]].adapter for m, _ in chosen]) if has_slots else None

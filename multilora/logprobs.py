@@ -107,7 +107,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
     student's 4 rollouts of a 200-token prompt with 96-token completions: 4 x 296 -> 199 +
     4 x 97 tokens).
     """
-    from multilora.decode import Blocks
+    from multilora.decode import Blocks, continuation_mask
 
     device = model.device
     ids, lengths = batch.input_ids, batch.attention_mask.sum(dim=1).tolist()
@@ -148,10 +148,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
     positions = begin[:, None] + torch.arange(width_s, device=device)[None, :]
     index = torch.tensor(group_of, device=device)
     # a row's query t sees its group's prompt (positions < its length) and its own tokens <= t
-    sees_prompt = torch.arange(width_p, device=device)[None, :] < torch.tensor(shared, device=device)[index][:, None]
-    causal = torch.ones((width_s, width_s), dtype=torch.bool, device=device).tril()
-    mask = torch.cat((sees_prompt[:, None, :].expand(-1, width_s, -1), causal[None].expand(len(adapters), -1, -1)),
-                     dim=-1)[:, None]  # [rows, 1, own, prompt + own]
+    mask = continuation_mask(torch.tensor(shared, device=device)[index], width_p, width_s)
 
     def attend_rest(i, q, k, v):
         pk, pv = kept[i]

@@ -128,6 +128,8 @@ def _gold_output(program: str, call: str, timeout_s: float, memory_mb: int
         run = run_program(program, call, timeout_s, memory_mb, hash_seed=seed)
         if run.status != "ok":
             return None, _failure_reason(run)
+        if len(run.result) > MAX_OUTPUT_CHARS:  # before parsing it or running it again
+            return None, f"output too long ({len(run.result)} characters, at most {MAX_OUTPUT_CHARS})"
         value = parse_literal(run.result)
         if value is _NOT_LITERAL:
             return None, "output is not a literal"
@@ -135,8 +137,6 @@ def _gold_output(program: str, call: str, timeout_s: float, memory_mb: int
     (first_text, first), (_, second) = values
     if not (equal_values(first, second) and equal_values(second, first)):
         return None, "non-deterministic"
-    if len(first_text) > MAX_OUTPUT_CHARS:
-        return None, f"output too long ({len(first_text)} characters, at most {MAX_OUTPUT_CHARS})"
     return first_text, None
 
 
