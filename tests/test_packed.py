@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from multilora import packed
 from multilora.generation import GenerationRequest, SamplingParams, generate
 from multilora.layer import MultiLoraLinear, Routing, packed_group
-from test_decode import _model
+from test_decode import SPEC
 
 needs_packing = pytest.mark.skipif(not packed.supported(torch.zeros(1, dtype=torch.bfloat16)),
                                    reason="no oneDNN bf16 on this CPU")
@@ -65,11 +65,11 @@ def test_multilora_layer_packed_matches_the_dense_kernel():
 
 
 @needs_packing
-def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, monkeypatch):
+def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, lora_model, monkeypatch):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    m = _model(tiny_model_path, torch.bfloat16)
+    m = lora_model(SPEC, 4, "abc", torch.bfloat16)
     reqs = [GenerationRequest("ab"[i % 2], tuple(tokenizer(f"def f{i}(x): return x" + " * 2" * i)["input_ids"]),
                               SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)) for i in range(6)]
     calls = []
