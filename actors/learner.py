@@ -80,7 +80,7 @@ class LearnerCore:
             self.model.add_adapter(name, adapter)
             self.trainer.reset_optimizer(name)
             if name in state["optimizers"]:
-                self.trainer.optimizers[name].load_state_dict(state["optimizers"][name])
+                self.trainer.load_optimizer_state(name, state["optimizers"][name])
             else:
                 log.warning("checkpoint holds no optimizer state for %s: its moments restart", name)
         if hasattr(self.trainer, "reload_weights"):  # ZeRO keeps fp32 master copies of the weights

@@ -6,8 +6,9 @@ Each figure comes from a fresh subprocess holding SmolLM2-135M-Instruct with N r
 adapters on every projection (N = 1, 8, 16):
 - inference: an `HFEngine` with N adapters synced in, after one short mixed generation
   (so its stacked inference copies exist);
-- learner: a `LearnerCore` with N members, after one `update` touching all of them (so
-  every AdamW state exists).
+- learner: a `LearnerCore` with N members, after one `update` of 16 rows touching all of
+  them (so every AdamW state exists; the same rows for every N, so the allocator keeps the
+  same workspace).
 RSS is read after `gc` and `malloc_trim` (memory the process could hand back is not
 counted); the peak (VmHWM) is reported too. `extra_mb_per_adapter` = (rss_16 - rss_1) / 15,
 compared with the adapter's own size (`adapter_mb`). Target (issue 4): at most 3x the
@@ -30,6 +31,7 @@ from bench import write_result
 
 TARGET_X_ADAPTER = 3.0
 COUNTS = (1, 8, 16)
+UPDATE_ROWS = max(COUNTS)
 RANK, ALPHA = 16, 32.0
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -83,7 +85,10 @@ def child(kind: str, n: int, model_name: str = "smollm2-135m-instruct") -> dict[
         core = LearnerCore(path, spec, n, TrainerSettings(micro_batch=8))
         core.init_members(names, seed=0)
         adapter_bytes = sum(p.numel() * p.element_size() for p in core.model.adapter_parameters(names[0]))
-        core.update([TrainSample(name, (1, 2, 3, 4), (5, 6, 7, 8), 1.0) for name in names])
+        # the same 16 rows whatever N (round-robin over the members): the workspace an
+        # update leaves in the allocator grows with its rows (measured: 16 rows of one
+        # member keep 15 MB more than 1 row), and it is not a member's memory
+        core.update([TrainSample(names[i % n], (1, 2, 3, 4), (5, 6, 7, 8), 1.0) for i in range(UPDATE_ROWS)])
     _settle()
     return {"rss_mb": _status_mb("VmRSS"), "peak_mb": _status_mb("VmHWM"), "adapter_mb": adapter_bytes / 2**20}
 

@@ -28,6 +28,8 @@ in the base's dtype, so decoding casts nothing per token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -101,7 +103,11 @@ class MultiLoraLinear(nn.Module):
     and rebuilt only after `invalidate()`.
     """
 
-    def __init__(self, base: nn.Linear, n_slots: int, rank: int, scaling: float, routing: Routing) -> None:
+    def __init__(self, base: nn.Linear, n_slots: int, rank: int, scaling: float, routing: Routing,
+                 storage: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """`storage`: each slot's zeroed `(A [r, in], B [out, r])` float32 tensors to hold its
+        factors (views of a larger buffer: `MultiLoraModel` keeps a slot's factors of all
+        layers in one); default: fresh tensors."""
         super().__init__()
         self.base = base
         self.rank = rank
@@ -109,12 +115,15 @@ class MultiLoraLinear(nn.Module):
         self.routing = routing
         # fp32 factors whatever the base dtype (module docstring, "Precision")
         dtype, device = torch.float32, base.weight.device
-        self.lora_A = nn.ParameterList(
-            nn.Parameter(torch.zeros(rank, base.in_features, dtype=dtype, device=device)) for _ in range(n_slots)
-        )
-        self.lora_B = nn.ParameterList(
-            nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=device)) for _ in range(n_slots)
-        )
+        if storage is None:
+            storage = [(torch.zeros(rank, base.in_features, dtype=dtype, device=device),
+                        torch.zeros(base.out_features, rank, dtype=dtype, device=device)) for _ in range(n_slots)]
+        if len(storage) != n_slots or any(a.shape != (rank, base.in_features) or b.shape != (base.out_features, rank)
+                                          or a.dtype != dtype or b.dtype != dtype for a, b in storage):
+            raise ValueError(f"storage must hold {n_slots} float32 (A [{rank}, {base.in_features}], "
+                             f"B [{base.out_features}, {rank}]) pairs")
+        self.lora_A = nn.ParameterList(nn.Parameter(a) for a, _ in storage)
+        self.lora_B = nn.ParameterList(nn.Parameter(b) for _, b in storage)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def invalidate(self) -> None:

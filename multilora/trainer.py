@@ -81,12 +81,42 @@ class PolicyTrainer:
         model.set_trainable(True)
 
     def reset_optimizer(self, name: str) -> None:
-        """Fresh AdamW state for `name` (new member, or a child from evolution)."""
-        # foreach: one fused op per step over the adapter's ~400 tensors, not ~10 ops per tensor
+        """Fresh AdamW state for `name` (new member, or a child from evolution).
+
+        The optimizer steps the adapter's flat slot buffer (`MultiLoraModel.slot_buffer`,
+        of which every factor is a view): one tensor, so its state is two flat moments and
+        a step count (the ~400 factors' own states cost ~3 % of the adapter more in
+        per-tensor allocations), and one fused kernel per step."""
         self.optimizers[name] = torch.optim.AdamW(
-            self.model.adapter_parameters(name), lr=self.settings.lr, weight_decay=self.settings.weight_decay,
-            foreach=True,
+            [self.model.slot_buffer(name)], lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+            fused=True,
         )
+
+    def _follow(self, name: str, flat: torch.Tensor) -> None:
+        """Point `name`'s optimizer at `flat` if the model tied its factors to a new
+        buffer (`MultiLoraModel.slot_buffer`), its moments moved along."""
+        group = self.optimizers[name].param_groups[0]
+        old = group["params"][0]
+        if old is not flat:
+            group["params"] = [flat]
+            state = self.optimizers[name].state.pop(old, None)
+            if state is not None:
+                self.optimizers[name].state[flat] = {k: v.to(flat.device) for k, v in state.items()}
+
+    def load_optimizer_state(self, name: str, state: dict) -> None:
+        """Load an AdamW `state_dict` of `name`: this trainer's (one flat tensor), or one
+        per factor as checkpoints before the flat layout saved them (flattened here, in
+        `adapter_parameters` order)."""
+        params = state["param_groups"][0]["params"]
+        if len(params) > 1:
+            per = [state["state"][i] for i in params if i in state["state"]]
+            flat_state = {}
+            if len(per) == len(params):
+                flat_state = {0: {"step": per[0]["step"],
+                                  **{k: torch.cat([st[k].reshape(-1) for st in per])
+                                     for k in ("exp_avg", "exp_avg_sq")}}}
+            state = {"state": flat_state, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
+        self.optimizers[name].load_state_dict(state)
 
     def drop_optimizer(self, name: str) -> None:
         self.optimizers.pop(name, None)
@@ -122,39 +152,48 @@ class PolicyTrainer:
         # same update. More epochs need them fixed before the first step.
         old = self._old_logprobs(samples, batches) if self.settings.epochs > 1 else None
         stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.model.train()
-        for _ in range(self.settings.epochs):
-            for opt in self.optimizers.values():
-                opt.zero_grad(set_to_none=True)
-            for idx in batches:
-                adapters = [samples[i].adapter for i in idx]
-                packed = pack_samples(samples, idx, self.pad_id)
-                logp = token_logprobs(self.model, packed, adapters)
-                old_logp = logp.detach() if old is None else torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
-                adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
-                per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask.to(logp.device),
-                                            self.settings.clip_eps)
-                # mean over each adapter's rows, summed over adapters: every adapter's
-                # gradient has the same scale whatever its share of the batch
-                weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=per_seq.device)
-                (per_seq * weights).sum().backward()
-                for row, a in enumerate(adapters):
-                    stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
-            for name in rows_of:
-                params = self.model.adapter_parameters(name)
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm, foreach=True)
-                stats[name]["grad_norm"] = float(norm)
-                before = torch.cat([p.detach().reshape(-1) for p in params])
-                self.optimizers[name].step()
-                after = torch.cat([p.detach().reshape(-1) for p in params])
-                stats[name]["update_norm"] += float(torch.linalg.vector_norm(after - before))
-        for opt in self.optimizers.values():  # gradients are not needed between updates: free them
-            opt.zero_grad(set_to_none=True)
-        self.model.eval()
-        self.model.invalidate()
+        # each adapter's gradient is one flat tensor laid out like its slot buffer; its
+        # factors' `.grad`s are views of it, which backward accumulates into in place
+        flats = {name: self.model.slot_buffer(name) for name in rows_of}
+        for name, flat in flats.items():
+            self._follow(name, flat)
+            flat.grad = torch.zeros_like(flat)
+            for p, g in zip(self.model.adapter_parameters(name), self.model.split_like_adapter(flat.grad)):
+                p.grad = g
+        try:
+            self.model.train()
+            for epoch in range(self.settings.epochs):
+                if epoch:
+                    for flat in flats.values():
+                        flat.grad.zero_()
+                for idx in batches:
+                    adapters = [samples[i].adapter for i in idx]
+                    packed = pack_samples(samples, idx, self.pad_id)
+                    logp = token_logprobs(self.model, packed, adapters)
+                    old_logp = logp.detach() if old is None else torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
+                    adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
+                    per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask.to(logp.device),
+                                                self.settings.clip_eps)
+                    # mean over each adapter's rows, summed over adapters: every adapter's
+                    # gradient has the same scale whatever its share of the batch
+                    weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype,
+                                           device=per_seq.device)
+                    (per_seq * weights).sum().backward()
+                    for row, a in enumerate(adapters):
+                        stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
+                for name, flat in flats.items():
+                    norm = torch.nn.utils.clip_grad_norm_([flat], self.settings.max_grad_norm)
+                    stats[name]["grad_norm"] = float(norm)
+                    before = flat.clone()
+                    self.optimizers[name].step()
+                    stats[name]["update_norm"] += float(torch.linalg.vector_norm(flat - before))
+        finally:  # gradients are not needed between updates: free them (on an error too)
+            for name, flat in flats.items():
+                flat.grad = None
+                for p in self.model.adapter_parameters(name):
+                    p.grad = None
+            self.model.eval()
+            self.model.invalidate()
         for name, n in rows_of.items():
             stats[name]["samples"] = float(n)
         return {k: dict(v) for k, v in stats.items()}
