@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -112,11 +113,13 @@ def _rate(rows: list[dict]) -> float | None:
 def third_ratio(tasks: list[dict], steps: int) -> float | None:
     """Valid rate of the last third of the steps over that of the first third."""
     k = max(1, steps // 3)
-    first = _rate([t for t in tasks if t["step"] <= k])
-    last = _rate([t for t in tasks if t["step"] > steps - k])
-    if not first:
+    first = [bool(t["valid"]) for t in tasks if t["step"] <= k]
+    last = [bool(t["valid"]) for t in tasks if t["step"] > steps - k]
+    if not first or not any(first) or not last:
         return None
-    return last / first
+    # a ratio of counts, exact: 13/24 over 10/24 is 1.3, not the 1.2999999999999998 that
+    # the float rates gave (read as short of the 1.3 target in two runs)
+    return float(Fraction(sum(last), len(last)) / Fraction(sum(first), len(first)))
 
 
 def summarise(per_seed: dict[int, tuple[list[dict], list[dict]]], steps: int) -> dict:

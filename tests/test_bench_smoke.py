@@ -64,3 +64,13 @@ def test_bench_cli_help(name):
                           text=True, timeout=120)
     assert proc.returncode == 0, f"bench.{name} --help failed: {proc.stderr[-500:]}"
     assert "--quick" in proc.stdout, f"bench.{name} has no --quick option: {proc.stdout}"
+
+
+def test_learning_trend_ratio_is_exact():
+    """13 valid of 24 over 10 of 24 is the 1.3 target itself (float rates gave 1.2999999999999998)."""
+    from bench.learning import third_ratio
+
+    tasks = ([{"step": 1, "valid": i < 10} for i in range(24)] + [{"step": 2, "valid": True}]
+             + [{"step": 3, "valid": i < 13} for i in range(24)])
+    assert third_ratio(tasks, 3) >= 1.3 and third_ratio(tasks, 3) == 1.3
+    assert third_ratio([{"step": 1, "valid": False}, {"step": 3, "valid": True}], 3) is None  # no valid start
