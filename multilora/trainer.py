@@ -115,7 +115,9 @@ class PolicyTrainer:
                 flat_state = {0: {"step": per[0]["step"],
                                   **{k: torch.cat([st[k].reshape(-1) for st in per])
                                      for k in ("exp_avg", "exp_avg_sq")}}}
-            state = {"state": flat_state, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
+            # this trainer's kernel choice, not the per-factor one's (foreach)
+            kernel = {k: v for k, v in self.optimizers[name].param_groups[0].items() if k in ("foreach", "fused")}
+            state = {"state": flat_state, "param_groups": [{**state["param_groups"][0], "params": [0], **kernel}]}
         self.optimizers[name].load_state_dict(state)
 
     def drop_optimizer(self, name: str) -> None:

@@ -137,5 +137,6 @@ def test_per_factor_optimizer_state_loads_flattened(lora_model):
         expected = torch.cat([saved["state"][i][key].reshape(-1) for i in range(len(params))])
         assert torch.equal(state[key], expected)
     assert float(state["step"]) == 1.0
+    assert trainer.optimizers["a"].param_groups[0]["fused"]  # the flat kernel, not the saved foreach
     trainer.update([TrainSample("a", (1, 2, 3), (4, 5), 1.0)])  # and it keeps training from there
     assert float(trainer.optimizers["a"].state[model.slot_buffer("a")]["step"]) == 2.0
