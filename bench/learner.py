@@ -64,7 +64,7 @@ def make_samples(count: int, prompt_len: int, completion_len: int, adapters: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 rollouts of 32+32 tokens, 2 reps "
+    parser.add_argument("--quick", action="store_true", help="16 rollouts of 32+32 tokens, 3 reps "
                                                              "(default 32 of 64+64, 3 reps)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, OpenMP threads that outnumber "
@@ -75,7 +75,7 @@ def main() -> None:
                                                              "(tests: the bench still works)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    count, prompt_len, completion_len, reps = ((8, 8, 8, 1) if args.smoke else (16, 32, 32, 2) if args.quick
+    count, prompt_len, completion_len, reps = ((8, 8, 8, 1) if args.smoke else (16, 32, 32, 3) if args.quick
                                                else (32, 64, 64, 3))
     micro_batch = 8
 
