@@ -133,13 +133,13 @@ class MultiLoraModel(nn.Module):
         # as one tensor (`slot_buffer`; one state entry and one fused op instead of ~400),
         # and a member costs no allocation per factor.
         r = spec.rank
-        sizes = [n for _, m in linears for n in (r * m.in_features, m.out_features * r)]
-        factors = torch.zeros(n_slots, sum(sizes), dtype=torch.float32, device=linears[0][1].weight.device)
+        self._factor_shapes = [shape for _, m in linears for shape in ((r, m.in_features), (m.out_features, r))]
+        factors = torch.zeros(n_slots, sum(math.prod(s) for s in self._factor_shapes), dtype=torch.float32,
+                              device=linears[0][1].weight.device)
         self._slot_buffers = list(factors.unbind(0))  # one tensor object per slot, kept: `slot_buffer`
-        views = [list(row.split(sizes)) for row in self._slot_buffers]
+        views = [self.split_like_adapter(row) for row in self._slot_buffers]
         for j, (name, module) in enumerate(linears):
-            storage = [(v[2 * j].view(r, module.in_features), v[2 * j + 1].view(module.out_features, r))
-                       for v in views]
+            storage = [(v[2 * j], v[2 * j + 1]) for v in views]
             parent = base.get_submodule(name.rsplit(".", 1)[0])
             layer = MultiLoraLinear(module, n_slots, r, spec.scaling, self.routing, storage)
             setattr(parent, name.rsplit(".", 1)[1], layer)
@@ -260,7 +260,7 @@ class MultiLoraModel(nn.Module):
     def split_like_adapter(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat tensor laid out like `slot_buffer`, one per adapter parameter
         (shapes in `adapter_parameters` order)."""
-        shapes = [p.shape for layer in self.layers.values() for p in (layer.lora_A[0], layer.lora_B[0])]
+        shapes = self._factor_shapes
         return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
     def set_trainable(self, trainable: bool) -> None:
