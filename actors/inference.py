@@ -14,6 +14,7 @@ import uuid
 import ray
 import torch
 
+from multilora.allocator import active as active_allocator
 from multilora.chat import ChatEngineMixin
 from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
@@ -83,6 +84,10 @@ class InferenceServer:
     def ready(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""
         return self.incarnation
+
+    def allocator(self) -> str:
+        """The malloc this process runs on (`multilora.allocator.active`)."""
+        return active_allocator()
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()

@@ -15,6 +15,7 @@ import ray
 import torch
 
 from evolution import OPERATORS
+from multilora.allocator import active as active_allocator
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 from multilora.packing import PackedAdapters, pack
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
@@ -111,6 +112,10 @@ class Learner:
     def ready(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor (its state is then lost)."""
         return self.incarnation
+
+    def allocator(self) -> str:
+        """The malloc this process runs on (`multilora.allocator.active`)."""
+        return active_allocator()
 
     def init_members(self, names: list[str], seed: int) -> None:
         self.core.init_members(names, seed)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from bench import write_result
+from bench import use_allocator, write_result
 from evolution import CROSSOVERS, DEFAULT_PARAMS, OPERATORS, lora_pairs
 
 TARGETS = {"135m": 0.5, "7b": 5.0}
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--skip-7b", action="store_true", help="only the 135M shapes")
     parser.add_argument("--smoke", action="store_true", help="one rep at 135M only (tests: the bench still works)")
     args = parser.parse_args()
+    malloc = use_allocator()  # the run's allocator (bench/__init__.py)
     reps = {"135m": 1, "7b": 1} if args.smoke else {"135m": 3, "7b": 1} if args.quick else {"135m": 5, "7b": 3}
     args.skip_7b = args.skip_7b or args.smoke
 
@@ -178,6 +179,7 @@ def main() -> None:
         "retention": {k: v for k, v in retention.items() if not k.startswith("_")},
         "retention_base_agreement": retention["_base_agreement_with_parent"],
         "smoke": args.smoke,
+        "allocator": malloc,
         "retention_note": "tiny model, greedy next-token agreement with the first parent, normalised so the "
                           "bare base scores 0 (see retention_on_tiny_model)",
     }

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench import write_result
+from bench import use_allocator, write_result
 from bench.evolution import make_adapter
 from multilora.model import LoraSpec, MultiLoraModel, load_base_model
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 8 short rollouts, 1 rep "
                                                              "(tests: the bench still works)")
     args = parser.parse_args()
+    malloc = use_allocator()  # the run's allocator (bench/__init__.py)
     torch.set_num_threads(args.threads)
     count, prompt_len, completion_len, reps = ((8, 8, 8, 1) if args.smoke else (16, 32, 32, 3) if args.quick
                                                else (32, 64, 64, 3))
@@ -127,6 +128,7 @@ def main() -> None:
         "model": model_name,
         "dtype": dtype,
         "smoke": args.smoke,
+        "allocator": malloc,
     }
     write_result("learner", result)
 

@@ -19,7 +19,6 @@ adapter). Prints a table, then one JSON line, also written to ``bench/results/me
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -27,7 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import write_result
+from bench import use_allocator, write_result
+from multilora import allocator
 
 TARGET_X_ADAPTER = 3.0
 COUNTS = (1, 8, 16)
@@ -45,10 +45,7 @@ def _status_mb(field: str) -> float:
 
 def _settle() -> None:
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: RSS may include freed memory
-        pass
+    allocator.release_free_memory()  # what the learner does after each update
 
 
 def child(kind: str, n: int, model_name: str = "smollm2-135m-instruct") -> dict[str, float]:
@@ -108,6 +105,7 @@ def main() -> None:
                                                              "(tests: the bench still works)")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "N", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    malloc = use_allocator()  # the run's allocator (bench/__init__.py)
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.child[2])))
         return
@@ -124,7 +122,7 @@ def main() -> None:
             figures[kind][n] = json.loads(proc.stdout.strip().splitlines()[-1])
     size = figures["inference"][1]["adapter_mb"]
     result: dict[str, object] = {"adapter_mb": size, "target_extra_x_adapter": TARGET_X_ADAPTER,
-                                 "model": model_name, "smoke": args.smoke}
+                                 "model": model_name, "smoke": args.smoke, "allocator": malloc}
     print(f"resident memory, {model_name}, rank {RANK}, adapter {size:.1f} MB")
     print(f"{'':<10}" + "".join(f"{f'rss {n}':>10}" for n in counts) + f"{'extra/adapter':>15}{'x adapter':>11}")
     for kind, rows in figures.items():

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench import write_result
+from bench import use_allocator, write_result
 from bench.evolution import make_adapter
 from multilora.chat import chat_prompt_ids
 from multilora.generation import GenerationRequest, SamplingParams, generate
@@ -241,6 +241,7 @@ def main() -> None:
                         help="torch threads (default 1: on a shared machine, OpenMP threads that outnumber "
                              "free cores spin at every barrier and times collapse, measured 10x+)")
     args = parser.parse_args()
+    malloc = use_allocator()  # the run's allocator (bench/__init__.py)
     torch.set_num_threads(args.threads)
     reps = 1 if args.smoke else 2 if args.quick else 3
     if args.smoke:
@@ -386,6 +387,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "vllm_note": vllm_note,
         "smoke": args.smoke,
+        "allocator": malloc,
     })
     write_result("multilora" if workload == "chat" else f"multilora_{workload}", result)
 

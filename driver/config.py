@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from multilora import allocator
+
 
 class ConfigError(ValueError):
     """A bad config: the message is one line that names the offending key."""
@@ -142,6 +144,8 @@ class RayConfig:
     torch_threads: int = 0  # torch threads of the inference server and the learner; 0: every core
     #                         of this machine (embedded Ray) or the node's default (cluster)
     metrics_export_port: int = 0  # Prometheus endpoint of an embedded Ray (0: Ray picks one)
+    allocator: str = "auto"  # malloc of the inference server and the learner (multilora.allocator):
+    #                          "auto" TCMalloc where installed, "system", or a library's path
 
 
 @dataclass
@@ -284,6 +288,9 @@ def _validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")
+    if cfg.ray.allocator not in allocator.SETTINGS and not Path(cfg.ray.allocator).is_file():
+        raise ConfigError(f"ray.allocator: must be one of {', '.join(allocator.SETTINGS)} or the path of a "
+                          f"shared library, got {cfg.ray.allocator!r}")
     if cfg.population.evolve_every < 0:
         raise ConfigError(f"population.evolve_every: must be >= 0, got {cfg.population.evolve_every!r}")
     if not cfg.population.operators:

@@ -14,6 +14,7 @@ from actors.learner import Learner
 from actors.population import PopulationManager
 from actors.verifier import VerifierPool
 from driver.config import Config
+from multilora import allocator
 from multilora.embedded import resolve_model_path
 from multilora.model import LoraSpec
 from multilora.trainer import TrainerSettings
@@ -105,12 +106,20 @@ def actor_threads(cfg: Config) -> int:
     return cfg.ray.torch_threads or (0 if cfg.ray.address else (os.cpu_count() or 1))
 
 
+def heavy_actor_env(cfg: Config) -> dict:
+    """The runtime environment of the inference server and the learner: the actors' own,
+    plus the allocator of `ray.allocator` preloaded (`multilora.allocator`; only these
+    two: a verifier's sandboxed programs inherit their worker's environment)."""
+    return {"env_vars": {**_ACTOR_ENV, **allocator.preload_env(cfg.ray.allocator, current="")}}
+
+
 def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
     threads = actor_threads(cfg)
+    env = heavy_actor_env(cfg)
     inference = InferenceServer.options(name=_free_name("InferenceServer"), num_cpus=cfg.ray.actor_cpus,
-                                        num_gpus=cfg.ray.inference_gpus).remote(
+                                        num_gpus=cfg.ray.inference_gpus, runtime_env=env).remote(
         cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
         cfg.run.seed, threads,
     )
@@ -125,7 +134,7 @@ def create_actors(cfg: Config) -> Actors:
         deepspeed = DeepSpeedSettings(zero_stage=cfg.learner.zero_stage, bf16={"bfloat16": True, "auto": None}.get(cfg.model.dtype, False),
                                       offload_optimizer=cfg.learner.offload_optimizer)
     learner = Learner.options(name=_free_name("Learner"), num_cpus=cfg.ray.actor_cpus,
-                              num_gpus=cfg.ray.learner_gpus).remote(
+                              num_gpus=cfg.ray.learner_gpus, runtime_env=env).remote(
         model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads, deepspeed
     )
     p = cfg.population
@@ -139,6 +148,8 @@ def create_actors(cfg: Config) -> Actors:
                         timeout_s=v.timeout_s, memory_mb=v.memory_mb)
     actors = Actors(inference, learner, population, pool, model_path, spec)
     actors.incarnations = tuple(ray.get([h.ready.remote() for h in actors.stateful()]))
+    log.info("allocator of the inference server / learner: %s / %s (ray.allocator: %s)",
+             *ray.get([inference.allocator.remote(), learner.allocator.remote()]), cfg.ray.allocator)
     return actors
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multilora import allocator
 from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs
 from multilora.model import MultiLoraModel
 
@@ -188,14 +189,20 @@ class PolicyTrainer:
                     stats[name]["grad_norm"] = float(norm)
                     before = flat.clone()
                     self.optimizers[name].step()
-                    stats[name]["update_norm"] += float(torch.linalg.vector_norm(flat - before))
+                    # the step's size, in the copy's own memory (no third adapter-sized tensor)
+                    stats[name]["update_norm"] += float(torch.linalg.vector_norm(before.sub_(flat)))
         finally:  # gradients are not needed between updates: free them (on an error too)
+            freed = sum(flat.grad.numel() * flat.grad.element_size() for flat in flats.values()
+                        if flat.grad is not None)
             for name, flat in flats.items():
                 flat.grad = None
                 for p in self.model.adapter_parameters(name):
                     p.grad = None
             self.model.eval()
             self.model.invalidate()
+            # as much memory as the freed gradients (an adapter's size per member) back to
+            # the kernel: an allocator that keeps freed blocks (TCMalloc) would hold them
+            allocator.release_free_memory(freed)
         for name, n in rows_of.items():
             stats[name]["samples"] = float(n)
         return {k: dict(v) for k, v in stats.items()}

@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
 # keys each benchmark's JSON must carry (named in the issues; dashboards and reports read them)
 KEYS = {
-    "evolution": ["max_seconds_135m", "retention"],
+    "evolution": ["max_seconds_135m", "retention", "allocator"],
     "verifier": ["isolated_vs_bare_fork", "scaling_2_vs_1", "bare_scaling_2_vs_1"],
     "multilora": ["ours_mixed8_vs_hf_bf16_none", "ours_mixed8_vs_peft_mixed8", "ours_mixed8_vs_ours_single",
-                  "greedy_agreement_with_fp32"],
-    "learner": ["step8_vs_step1"],
+                  "greedy_agreement_with_fp32", "allocator"],
+    "learner": ["step8_vs_step1", "allocator"],
     "sync": ["sync_ms_per_adapter"],
-    "memory": ["learner", "inference"],
+    "memory": ["learner", "inference", "allocator"],
     "selection": ["settings"],
     "learning": ["valid_rate_first_step", "valid_rate_by_type", "signal_share_teacher", "signal_share_student",
                  "valid_rate_last_third_vs_first_third", "student_solve_rate_max", "seconds_per_step"],

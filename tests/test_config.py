@@ -40,6 +40,7 @@ def test_exponent_without_dot_is_a_float():
     ("run.steps=0", "run.steps: must be > 0"),
     ("learner.strategy=fsdp", "learner.strategy: must be one of"),
     ("ray.torch_threads=-1", "ray.torch_threads: must be >= 0"),
+    ("ray.allocator=/nonexistent/libmalloc.so", "ray.allocator: must be one of"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
