@@ -45,7 +45,10 @@ def _status_mb(field: str) -> float:
 
 def _settle() -> None:
     gc.collect()
-    allocator.release_free_memory()  # what the learner does after each update
+    # freed memory back to the kernel (the learner itself hands back its gradients' bytes
+    # after each update; what an allocator caches of an update's workspace is the same at
+    # every N, so it does not enter the per-member figure)
+    allocator.release_free_memory()
 
 
 def child(kind: str, n: int, model_name: str = "smollm2-135m-instruct") -> dict[str, float]:
