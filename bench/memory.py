@@ -9,7 +9,8 @@ adapters on every projection (N = 1, 8, 16):
 - learner: a `LearnerCore` with N members, after one `update` of 16 rows touching all of
   them (so every AdamW state exists; the same rows for every N, so the allocator keeps the
   same workspace).
-RSS is read after `gc` and `malloc_trim` (memory the process could hand back is not
+RSS is read after `gc` and the allocator's release of freed memory
+(`multilora.allocator.release_free_memory`: memory the process could hand back is not
 counted); the peak (VmHWM) is reported too. `extra_mb_per_adapter` = (rss_16 - rss_1) / 15,
 compared with the adapter's own size (`adapter_mb`). Target (issue 4): at most 3x the
 adapter per added member (the base is never copied; AdamW state is about 2x the

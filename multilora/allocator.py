@@ -82,18 +82,24 @@ def active() -> str:
     return "system"
 
 
+@functools.cache
+def _process_symbols() -> ctypes.CDLL:
+    """The symbols loaded into this process (the preloaded allocator's and libc's among them)."""
+    return ctypes.CDLL(None)
+
+
 def release_free_memory(nbytes: int | None = None) -> None:
     """Return memory this process freed to the kernel: at least `nbytes` of it (TCMalloc),
     or all it can (None; TCMalloc's page heap, glibc's trimmable heap). What is still
     allocated stays. No-op for other allocators."""
     try:
+        lib = _process_symbols()
         if active() == "tcmalloc":
-            lib = ctypes.CDLL(None)
             if nbytes is None:
                 lib.MallocExtension_ReleaseFreeMemory()
             else:
                 lib.MallocExtension_ReleaseToSystem(ctypes.c_size_t(nbytes))
         elif active() == "system":
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+            lib.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc, or the symbol is missing
         pass

@@ -192,8 +192,6 @@ class PolicyTrainer:
                     # the step's size, in the copy's own memory (no third adapter-sized tensor)
                     stats[name]["update_norm"] += float(torch.linalg.vector_norm(before.sub_(flat)))
         finally:  # gradients are not needed between updates: free them (on an error too)
-            freed = sum(flat.grad.numel() * flat.grad.element_size() for flat in flats.values()
-                        if flat.grad is not None)
             for name, flat in flats.items():
                 flat.grad = None
                 for p in self.model.adapter_parameters(name):
@@ -202,7 +200,7 @@ class PolicyTrainer:
             self.model.invalidate()
             # as much memory as the freed gradients (an adapter's size per member) back to
             # the kernel: an allocator that keeps freed blocks (TCMalloc) would hold them
-            allocator.release_free_memory(freed)
+            allocator.release_free_memory(sum(flat.numel() * flat.element_size() for flat in flats.values()))
         for name, n in rows_of.items():
             stats[name]["samples"] = float(n)
         return {k: dict(v) for k, v in stats.items()}
