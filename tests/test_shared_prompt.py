@@ -105,3 +105,28 @@ def test_update_with_shared_prompts_matches_whole_rows(lora_model, monkeypatch):
         assert torch.allclose(p_whole[name], p_shared[name], atol=1e-6), name
     for adapter in s_whole:
         assert s_whole[adapter]["loss"] == pytest.approx(s_shared[adapter]["loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 100])
+def test_picked_logprobs_is_log_softmax_gather(dtype, chunk_rows, monkeypatch):
+    """The chunked token log-probs (`logprobs.picked_logprobs`): the plain expression's
+    values and gradient, whatever the chunking, and the caller's logits left untouched."""
+    vocab = 50
+    monkeypatch.setitem(logprobs_mod.CHUNK_BYTES, "cpu", 4 * vocab * chunk_rows)
+    g = torch.Generator().manual_seed(chunk_rows)
+    logits = (torch.randn(7, vocab, generator=g) * 4).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (7,), generator=g)
+    weights = torch.randn(7, generator=g)
+    kept = logits.detach().clone()
+    plain = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+    (plain * weights).sum().backward()
+    expected, logits.grad = logits.grad, None
+    picked = logprobs_mod.picked_logprobs(logits, targets)
+    assert picked.dtype == torch.float32 and picked.shape == (7,)
+    assert torch.allclose(picked, plain, atol=1e-5)
+    (picked * weights).sum().backward()
+    assert logits.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # one bf16 rounding of the gradient
+    assert torch.allclose(logits.grad.float(), expected.float(), atol=tol)
+    assert torch.equal(logits.detach(), kept)
