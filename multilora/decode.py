@@ -403,7 +403,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     set of most likely tokens whose probability mass reaches top_p (Holtzman et al. 2020),
     sampled in proportion to their probabilities.
 
-    Speed on CPU (16 rows x 49k vocabulary, 1 thread): argmax and softmax run in fp32
+    Speed on CPU (16 rows x 49k vocabulary, 1 thread): the maxima and softmax run in fp32
     (bf16 argmax was 14x slower); the nucleus is found with `topk(64)`, then `topk(4096)`
     for the rows it does not cover (`NUCLEUS_CANDIDATES`; exact whenever the candidates hold
     top_p of the mass), and only a row wider still sorts the whole vocabulary (a full sort
@@ -411,18 +411,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     of p / E, E ~ Exp(1), which picks token i with probability p_i) instead of
     `multinomial` over the vocabulary (3x slower)."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
     sampling = temperature > 0
+    # the most likely token by `max(dim).indices`: the first of equal maxima, as `argmax`,
+    # 3x faster here (16 x 49k fp32, 1 thread: 0.36 vs 1.05 ms); only for the greedy rows
     if not bool(sampling.any()):  # an all-greedy batch needs no probabilities
-        return greedy
+        return logits.max(dim=-1).indices
     temp = torch.where(sampling, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sampled = greedy.clone()
+    sampled = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy = (~sampling).nonzero().squeeze(1)
+    if greedy.numel():
+        sampled[greedy] = logits[greedy].max(dim=-1).indices
     whole = (sampling & (top_p >= 1.0)).nonzero().squeeze(1)
     if whole.numel():
         # E = -log U ~ Exp(1) (torch's own exponential_ was 4x slower than rand here)
         race = torch.rand(probs[whole].shape, generator=generator, device=probs.device).log_().neg_()
-        sampled[whole] = (probs[whole] / race).argmax(dim=-1)
+        sampled[whole] = (probs[whole] / race).max(dim=-1).indices
     cut = (sampling & (top_p < 1.0)).nonzero().squeeze(1)
     for k in (*NUCLEUS_CANDIDATES, None):  # ever more candidates, for ever fewer rows
         if not cut.numel():

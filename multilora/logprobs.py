@@ -116,6 +116,7 @@ class _PickedLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         logits, targets, norm = ctx.saved_tensors
         rows, step = logits.shape[0], _chunk_rows(logits)
