@@ -113,7 +113,7 @@ def test_picked_logprobs_is_log_softmax_gather(dtype, chunk_rows, monkeypatch):
     """The chunked token log-probs (`logprobs.picked_logprobs`): the plain expression's
     values and gradient, whatever the chunking, and the caller's logits left untouched."""
     vocab = 50
-    monkeypatch.setitem(logprobs_mod.CHUNK_BYTES, "cpu", 4 * vocab * chunk_rows)
+    monkeypatch.setattr(logprobs_mod, "CPU_CHUNK_BYTES", 4 * vocab * chunk_rows)
     g = torch.Generator().manual_seed(chunk_rows)
     logits = (torch.randn(7, vocab, generator=g) * 4).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (7,), generator=g)
