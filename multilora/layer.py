@@ -181,6 +181,79 @@ class MultiLoraLinear(nn.Module):
         return out3.baddbmm_(h, bt_rows, alpha=self.scaling).view(out.shape)
 
 
+class PackedGroup:
+    """The packed products of one group of projections (`packed_group`) resolved for the
+    current routing: the base's packed weight and bias and, where rows are routed, the
+    used slots' packed factors and row mask. Made once per routing by the decode loop
+    (`multilora.decode.Decoder.step`), so a step does none of `packed_group`'s checks and
+    lookups (30 layers x 4 groups per step)."""
+
+    __slots__ = ("base", "bias", "sizes", "a", "b", "mask", "scaling")
+
+    def __init__(self, base: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+                 factors: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
+                 scaling: float = 1.0) -> None:
+        self.base, self.bias, self.sizes = base, bias, sizes
+        self.a, self.b = factors if factors is not None else (None, None)
+        self.mask, self.scaling = mask, scaling
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each projection's output for `x` `[batch, tokens, in]` (one token per row where
+        the group has factors: the dense kernel)."""
+        out = packed_weights.linear(x, self.base, self.bias)
+        if self.a is not None:
+            h = packed_weights.linear(x.reshape(x.shape[0], -1, x.shape[-1]), self.a) * self.mask
+            out.add_(packed_weights.linear(h, self.b).reshape(out.shape), alpha=self.scaling)
+        return list(out.split(self.sizes, dim=-1))
+
+
+def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) -> PackedGroup | None:
+    """The `PackedGroup` of `modules` for inputs of `dtype` under their routing's current
+    slots, or None where packed products do not apply (`packed_group`). `lora=False`: the
+    base's product only (prefill adds each module's own LoRA term)."""
+    if torch.is_grad_enabled() or not modules:
+        return None
+    is_lora = all(isinstance(m, MultiLoraLinear) for m in modules)
+    bases = [m.base for m in modules] if is_lora else modules
+    if not (is_lora or all(isinstance(m, nn.Linear) for m in modules)):
+        return None
+    if is_lora:
+        first = modules[0]
+        if not (first.routing.packed and first.routing.cache_stacks) or any(
+                m.routing is not first.routing or m.rank != first.rank or m.scaling != first.scaling
+                or len(m.lora_A) != len(first.lora_A) for m in modules):
+            return None
+    weights = [b.weight for b in bases]
+    if not all(packed_weights.supported(w) and w.dtype == dtype and not w.requires_grad for w in weights):
+        return None
+    if len({b.bias is None for b in bases}) != 1:
+        return None
+    cache = modules[0].__dict__.setdefault("_populora_group", {})
+    if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
+        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+        cache.clear()
+        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights) if len(weights) > 1 else weights[0]),
+                     bias=bias)
+    sizes = [w.shape[0] for w in weights]
+    routing = modules[0].routing if is_lora else None
+    if not lora or routing is None or routing.slots is None:
+        return PackedGroup(cache["base"], cache["bias"], sizes)
+    stacks = [m._stacks() for m in modules]
+    if cache.get("stacks") is None or any(a is not b for a, b in zip(cache["stacks"], stacks)):
+        cache.update(stacks=stacks, lora={})
+    # only the slots this batch uses (a propose phase routes to the teachers alone):
+    # packed once per set of slots, kept while the factors stay the same
+    used = tuple(routing.used_slots()[0])
+    factors = cache["lora"].get(used)
+    if factors is None:
+        if len(cache["lora"]) >= USED_SETS_KEPT:
+            cache["lora"].clear()
+        factors = cache["lora"][used] = _packed_factors(stacks, used, sizes)
+    rank = stacks[0][0].shape[1]
+    mask = routing.row_mask(len(used), rank, dtype, cache["base"].device, groups=len(modules), used_only=True)
+    return PackedGroup(cache["base"], cache["bias"], sizes, factors, mask, modules[0].scaling)
+
+
 def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
     """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
     projection or several that read the same input (q/k/v, gate/up): one packed product
@@ -197,52 +270,14 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     slot's factors; summation order inside oneDNN may differ from the separate products
     (bf16 rounding), as between any two GEMM shapes.
     """
-    if torch.is_grad_enabled() or not modules:
+    dense = x.reshape(x.shape[0], -1, x.shape[-1]).shape[1] <= DENSE_MAX_TOKENS_PER_ROW
+    plan = group_plan(modules, x.dtype, lora=dense)
+    if plan is None:
         return None
-    lora = all(isinstance(m, MultiLoraLinear) for m in modules)
-    bases = [m.base for m in modules] if lora else modules
-    if not (lora or all(isinstance(m, nn.Linear) for m in modules)):
-        return None
-    if lora:
-        first = modules[0]
-        if not (first.routing.packed and first.routing.cache_stacks) or any(
-                m.routing is not first.routing or m.rank != first.rank or m.scaling != first.scaling
-                or len(m.lora_A) != len(first.lora_A) for m in modules):
-            return None
-    weights = [b.weight for b in bases]
-    if not all(packed_weights.supported(w) and w.dtype == x.dtype and not w.requires_grad for w in weights):
-        return None
-    if len({b.bias is None for b in bases}) != 1:
-        return None
-    cache = modules[0].__dict__.setdefault("_populora_group", {})
-    if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
-        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
-        cache.clear()
-        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights) if len(weights) > 1 else weights[0]),
-                     bias=bias)
-    slots = modules[0].routing.slots if lora else None
-    flat = x.reshape(x.shape[0], -1, x.shape[-1])
-    sizes = [w.shape[0] for w in weights]
-    out = packed_weights.linear(x, cache["base"], cache["bias"])
-    if slots is not None and flat.shape[1] > DENSE_MAX_TOKENS_PER_ROW:  # prefill: the modules' own kernel
-        return [m.add_lora(x, part) for m, part in zip(modules, out.split(sizes, dim=-1))]
-    if slots is not None:
-        stacks = [m._stacks() for m in modules]
-        if cache.get("stacks") is None or any(a is not b for a, b in zip(cache["stacks"], stacks)):
-            cache.update(stacks=stacks, lora={})
-        # only the slots this batch uses (a propose phase routes to the teachers alone):
-        # packed once per set of slots, kept while the factors stay the same
-        used = tuple(modules[0].routing.used_slots()[0])
-        factors = cache["lora"].get(used)
-        if factors is None:
-            if len(cache["lora"]) >= USED_SETS_KEPT:
-                cache["lora"].clear()
-            factors = cache["lora"][used] = _packed_factors(stacks, used, sizes)
-        rank = stacks[0][0].shape[1]
-        mask = modules[0].routing.row_mask(len(used), rank, x.dtype, x.device, groups=len(modules), used_only=True)
-        h = packed_weights.linear(flat, factors[0]) * mask
-        out.add_(packed_weights.linear(h, factors[1]).reshape(out.shape), alpha=modules[0].scaling)
-    return list(out.split(sizes, dim=-1))
+    if dense or not isinstance(modules[0], MultiLoraLinear) or modules[0].routing.slots is None:
+        return plan(x)
+    out = packed_weights.linear(x, plan.base, plan.bias)  # prefill: the modules' own kernel for the LoRA term
+    return [m.add_lora(x, part) for m, part in zip(modules, out.split(plan.sizes, dim=-1))]
 
 
 # Sets of used slots whose packed factors `packed_group` keeps per group of projections

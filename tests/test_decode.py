@@ -233,3 +233,21 @@ def test_prefill_batches_group_similar_lengths_within_the_cap():
     assert {tuple(sorted(lengths[i] for i in b)) for b in batches} >= {(195, 195, 200, 200)}  # the short ones alone
     assert decode_mod.prefill_batches([9000, 3], cap=8192) == [[1], [0]]  # a prompt over the cap: alone
     assert decode_mod.prefill_batches([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_fast_path_is_the_module(dtype):
+    """The decode step's RMSNorm (`F.rms_norm` and the weight) is bitwise transformers' module."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g) * 0.3 + 1)
+    fast = decode_mod._norm(norm)
+    assert fast is not norm
+    for scale in (0.01, 1.0, 30.0):
+        for shape in ((16, 1, 96), (3, 7, 96), (5, 96)):
+            h = (torch.randn(shape, generator=g) * scale).to(dtype)
+            assert torch.equal(fast(h), norm(h))
+    assert decode_mod._norm(torch.nn.LayerNorm(96)).__class__ is torch.nn.LayerNorm  # others: the module

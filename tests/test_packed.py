@@ -143,3 +143,32 @@ def test_packed_group_declines_outside_decoding():
         assert packed_group(layers, x) is None  # not inside the decode loop
         routing.packed = True
         assert packed_group([layers[0], torch.nn.Linear(64, 8)], x) is None  # mixed kinds
+
+
+@needs_packing
+@pytest.mark.parametrize("routed", [False, True])
+def test_resolved_layer_ops_are_the_modules(lora_model, routed):
+    """A decode step's layer parts resolved once per routing (`Blocks.layer_ops(resolved=True)`:
+    packed groups, `F.rms_norm`, `F.silu`) give bitwise what the modules give through
+    `packed_group` at every call."""
+    from multilora.decode import Decoder
+
+    m = lora_model(SPEC, 4, "abc", torch.bfloat16)
+    dec = Decoder(m, rows=5, length=16)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, 1, m.base.config.hidden_size, generator=g).to(torch.bfloat16)
+    cos, sin = dec.cos[None, None, :1], dec.sin[None, None, :1]
+    m.routing.packed = True
+    m.routing.slots = torch.tensor([0, 2, 2, 1, 0]) if routed else None
+    try:
+        with torch.inference_mode():
+            for i, layer in enumerate(dec.layers):
+                ops = dec.layer_ops(layer, resolved=True)
+                assert ops.qkv.__class__.__name__ == "PackedGroup"
+                assert (ops.qkv.a is not None) == routed
+                resolved = dec.attention_block(i, layer, h, cos, sin, lambda i, q, k, v: q, ops)
+                generic = dec.attention_block(i, layer, h, cos, sin, lambda i, q, k, v: q)
+                assert torch.equal(resolved, generic)
+                h = generic
+    finally:
+        m.routing.packed, m.routing.slots = False, None
