@@ -54,19 +54,27 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     """log pi(token_{t+1} | tokens_<=t) for every position, [batch, T-1] (0 off-completion).
 
     Only completion positions go through the LM head, which keeps the [tokens, vocab]
-    logits small (the prompt's share of a long sequence never materialises). Rows that
+    logits small (the prompt's share of a long sequence never materialises). On the models
+    the decode loop runs (`decode.supports`) the layers are called directly: rows that
     share their adapter and prompt (a student's rollouts of one task) compute that prompt
-    once (`_shared_prompt_logprobs`) on the models the decode loop runs (`decode.supports`).
+    once (`_shared_prompt_logprobs`), other batches take one causal pass
+    (`_causal_logprobs`); any other model runs its own forward.
     """
     device = model.device
     groups = _prompt_groups(batch, adapters)
     batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
                         batch.prompt_lengths)
-    if groups is not None:
-        from multilora import decode
+    from multilora import decode
 
-        if decode.supports(model):
+    if decode.supports(model):
+        if groups is not None:
             return _shared_prompt_logprobs(model, batch, adapters, groups)
+        return _causal_logprobs(model, batch, adapters)
+    return _forward_logprobs(model, batch, adapters)
+
+
+def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
+    """`token_logprobs` through the model's own forward (any architecture)."""
     base = model.base
     with model.route(adapters):
         hidden = base.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
@@ -143,6 +151,39 @@ def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int
     if all(len(g) == 1 for g in groups.values()) or min(batch.prompt_lengths) < 2:
         return None
     return list(groups.values())
+
+
+def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
+    """`token_logprobs` of rows that share no prompt, in one causal pass through the layers
+    (`decode.Blocks`). The rows are right-padded, so causal attention alone keeps every
+    real token from seeing a pad (pads come after it); a pad position's own output is never
+    read. So attention runs as `is_causal` with grouped key/value heads, where the model's
+    forward builds a `[batch, 1, T, T]` padding mask and repeats each key/value head for
+    every query head it serves (and sums the repeats' gradients back)."""
+    from multilora.decode import Blocks
+
+    ids = batch.input_ids
+    width = ids.shape[1]
+    blocks = Blocks(model, width)
+    layers = blocks.layers
+    gqa = blocks.kv_heads != blocks.heads
+
+    def attend(i, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layers[i].self_attn.scaling,
+                                              enable_gqa=gqa)
+
+    with model.route(list(adapters)):
+        h = blocks.inner.embed_tokens(ids)
+        cos, sin = blocks.cos[None, None, :width], blocks.sin[None, None, :width]
+        for i, layer in enumerate(layers):
+            h = blocks.attention_block(i, layer, h, cos, sin, attend)
+    where = batch.completion_mask.bool()
+    row_idx, pos_idx = where.nonzero(as_tuple=True)
+    hidden = blocks.inner.norm(h[row_idx, pos_idx])
+    picked = picked_logprobs(blocks.lm_head(hidden), ids[row_idx, pos_idx + 1])
+    out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
+    out[where] = picked
+    return out
 
 
 def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],

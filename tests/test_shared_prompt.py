@@ -32,14 +32,12 @@ def _rows():
 
 
 def _logprobs(model, shared: bool, monkeypatch):
+    """`shared`: `token_logprobs` (the prompt computed once); else the model's own forward
+    over whole rows."""
     rows, supplied = _rows()
     packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
-    if not shared:
-        monkeypatch.setattr(logprobs_mod, "_prompt_groups", lambda *a: None)
-    try:
-        return packed, token_logprobs(model, packed, [a for a, _, _ in rows])
-    finally:
-        monkeypatch.undo()
+    adapters = [a for a, _, _ in rows]
+    return packed, (token_logprobs if shared else logprobs_mod._forward_logprobs)(model, packed, adapters)
 
 
 def test_shared_prompt_same_logprobs_and_gradients(lora_model, monkeypatch):
@@ -91,8 +89,9 @@ def test_update_with_shared_prompts_matches_whole_rows(lora_model, monkeypatch):
     for shared in (False, True):
         model = _model(lora_model)
         trainer = PolicyTrainer(model, TrainerSettings(lr=1e-3, micro_batch=4), pad_id=0)
-        if not shared:
+        if not shared:  # whole rows through the model's own forward
             monkeypatch.setattr(logprobs_mod, "_prompt_groups", lambda *a: None)
+            monkeypatch.setattr(logprobs_mod, "_causal_logprobs", logprobs_mod._forward_logprobs)
         calls = []
         real = logprobs_mod._shared_prompt_logprobs
         monkeypatch.setattr(logprobs_mod, "_shared_prompt_logprobs", lambda *a: calls.append(1) or real(*a))
@@ -130,3 +129,57 @@ def test_picked_logprobs_is_log_softmax_gather(dtype, chunk_rows, monkeypatch):
     tol = 1e-6 if dtype == torch.float32 else 4e-3  # one bf16 rounding of the gradient
     assert torch.allclose(logits.grad.float(), expected.float(), atol=tol)
     assert torch.equal(logits.detach(), kept)
+
+
+def _gqa_model(dtype) -> MultiLoraModel:
+    """A random tiny Llama whose query heads share key/value heads (4 query, 2 key/value)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
+    m = MultiLoraModel(LlamaForCausalLM(cfg).to(dtype).eval(), SPEC, n_slots=2)
+    g = torch.Generator().manual_seed(0)
+    for name in "ab":
+        m.add_adapter(name, generator=g)
+        with torch.no_grad():
+            for p in m.adapter_parameters(name):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    m.invalidate()
+    m.set_trainable(True)
+    return m
+
+
+@pytest.mark.parametrize("case", ["tiny", "gqa", "gqa-bf16"])
+def test_causal_pass_is_the_models_forward(case, lora_model):
+    """Rows sharing no prompt take one causal pass through the layers (`_causal_logprobs`):
+    right-padded rows of different lengths, supplied tokens, grouped key/value heads; the
+    same log-probs and gradients as the model's own forward with its padding mask."""
+    from multilora import decode
+
+    model = _model(lora_model) if case == "tiny" else _gqa_model(torch.bfloat16 if "bf16" in case else torch.float32)
+    assert decode.supports(model)
+    rows = [("a", tuple(range(5, 17)), (50, 51, 52, 53)), ("b", tuple(range(30, 37)), (60,)),
+            ("a", tuple(range(40, 49)), (61, 62, 63, 64, 65, 66)), ("b", (7, 8), (70, 71))]
+    supplied = [(), (), (False, True, True, False, False, False), ()]
+    packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
+    adapters = [a for a, _, _ in rows]
+    assert logprobs_mod._prompt_groups(packed, adapters) is None  # token_logprobs takes the causal pass
+    weights = torch.randn(len(rows), 1, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (logprobs_mod._forward_logprobs, token_logprobs):
+        model.zero_grad(set_to_none=True)
+        logp = fn(model, packed, adapters)
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (ref, g_ref), (ours, g_ours) = results
+    assert torch.equal(ref == 0, ours == 0) and (ours != 0).sum() == packed.completion_mask.sum()
+    if case == "gqa-bf16":  # the same math, rounded in another order (bf16: 8 significant bits)
+        assert torch.allclose(ref, ours, atol=0.05), (ref - ours).abs().max()
+        for name in g_ref:
+            assert torch.allclose(g_ref[name], g_ours[name], rtol=0.05, atol=0.05 * g_ref[name].abs().max()), name
+        return
+    assert torch.allclose(ref, ours, atol=1e-5), (ref - ours).abs().max()
+    assert g_ref.keys() == g_ours.keys() and g_ref
+    for name in g_ref:
+        assert torch.allclose(g_ref[name], g_ours[name], rtol=1e-4, atol=1e-6), name
