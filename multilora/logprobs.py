@@ -69,7 +69,9 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     if decode.supports(model):
         if groups is not None:
             return _shared_prompt_logprobs(model, batch, adapters, groups)
-        return _causal_logprobs(model, batch, adapters)
+        mask = batch.attention_mask
+        if bool((mask[:, 1:] <= mask[:, :-1]).all()):  # right-padded (as `pack` makes them)
+            return _causal_logprobs(model, batch, adapters)
     return _forward_logprobs(model, batch, adapters)
 
 

@@ -183,3 +183,17 @@ def test_causal_pass_is_the_models_forward(case, lora_model):
     assert g_ref.keys() == g_ours.keys() and g_ref
     for name in g_ref:
         assert torch.allclose(g_ref[name], g_ours[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_left_padded_rows_take_the_models_forward(lora_model, monkeypatch):
+    """The causal pass relies on right padding (`pack`); other padding runs the model's own
+    forward with its mask."""
+    model = _model(lora_model)
+    left = logprobs_mod.PackedBatch(  # the second row's 3 tokens after 3 pads
+        torch.tensor([[5, 6, 7, 8, 11, 12], [0, 0, 0, 9, 10, 13]]), torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]]),
+        torch.tensor([[0, 0, 0, 1.0, 1.0], [0, 0, 0, 0, 1.0]]), ())
+    monkeypatch.setattr(logprobs_mod, "_causal_logprobs", lambda *a: pytest.fail("causal pass on left padding"))
+    with torch.no_grad():
+        got = token_logprobs(model, left, ["a", "b"])
+        want = logprobs_mod._forward_logprobs(model, left, ["a", "b"])
+    assert torch.equal(got, want) and (got != 0).sum() == 3
