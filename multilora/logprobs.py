@@ -179,10 +179,18 @@ def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequen
         cos, sin = blocks.cos[None, None, :width], blocks.sin[None, None, :width]
         for i, layer in enumerate(layers):
             h = blocks.attention_block(i, layer, h, cos, sin, attend)
+    return _completion_logprobs(blocks, h, batch)
+
+
+def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """`[batch, T-1]` log-probs of the completion tokens from the last layer's hidden states
+    `h` (`h[row, t - begin[row]]` is position `t` of the row; `begin`: 0 for every row by
+    default), through the final norm and the LM head at those positions only."""
     where = batch.completion_mask.bool()
     row_idx, pos_idx = where.nonzero(as_tuple=True)
-    hidden = blocks.inner.norm(h[row_idx, pos_idx])
-    picked = picked_logprobs(blocks.lm_head(hidden), ids[row_idx, pos_idx + 1])
+    hidden = blocks.inner.norm(h[row_idx, pos_idx if begin is None else pos_idx - begin[row_idx]])
+    picked = picked_logprobs(blocks.lm_head(hidden), batch.input_ids[row_idx, pos_idx + 1])
     out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
     out[where] = picked
     return out
@@ -256,14 +264,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
         cos, sin = blocks.cos[positions][:, None], blocks.sin[positions][:, None]
         for i, layer in enumerate(layers):
             h = blocks.attention_block(i, layer, h, cos, sin, attend_rest)
-
-    where = batch.completion_mask.bool()
-    row_idx, pos_idx = where.nonzero(as_tuple=True)
-    hidden = blocks.inner.norm(h[row_idx, pos_idx - begin[row_idx]])
-    picked = picked_logprobs(blocks.lm_head(hidden), ids[row_idx, pos_idx + 1])
-    out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
-    out[where] = picked
-    return out
+    return _completion_logprobs(blocks, h, batch, begin)
 
 
 def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
