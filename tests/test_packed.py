@@ -87,11 +87,11 @@ def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, lora_model, monk
     assert all(abs(a.logprobs[0] - b.logprobs[0]) < 0.05 for a, b in rows), rows
 
 
-def _group(with_bias: bool, n_slots: int = 3):
+def _group(with_bias: bool, n_slots: int = 3, widths: tuple[int, ...] = (64, 16, 16)):
     routing = Routing()
     g = torch.Generator().manual_seed(1)
     layers = []
-    for out in (64, 16, 16):
+    for out in widths:
         base = torch.nn.Linear(64, out, bias=with_bias).to(torch.bfloat16).requires_grad_(False)
         layer = MultiLoraLinear(base, n_slots=n_slots, rank=4, scaling=2.0, routing=routing)
         with torch.no_grad():
@@ -131,6 +131,30 @@ def test_packed_group_is_the_modules(tokens, with_bias):
         routing.packed = False
         separate = [m(x) for m in layers]
     assert torch.allclose(fused[1].float(), separate[1].float(), atol=0.05, rtol=0.02)
+
+
+@needs_packing
+@pytest.mark.parametrize("widths", [(48, 48), (32, 32, 32)])
+def test_stacked_b_is_the_block_diagonal_one(widths, monkeypatch):
+    """Projections of one output width (gate/up) keep their `B`s stacked, the zeros in the
+    G-fold masked `h` instead of a block-diagonal `B`: bitwise the block-diagonal result."""
+    from multilora import layer as layer_mod
+
+    routing, layers = _group(False, widths=widths)
+    x = torch.randn(6, 1, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    routing.slots = torch.tensor([0, 1, 2, 2, 1, 0])
+    with torch.inference_mode():
+        routing.packed = True
+        stacked = packed_group(layers, x)
+        assert layer_mod.group_plan(layers, torch.bfloat16).b.shape[0] == widths[0]  # one width, not sum
+        layers[0].__dict__.pop("_populora_group")  # the group's packed factors, rebuilt block-diagonal
+        monkeypatch.setattr(layer_mod, "_stacked", lambda sizes: False)
+        block = packed_group(layers, x)
+        routing.packed = False
+        separate = [m(x) for m in layers]
+    for s, b, m in zip(stacked, block, separate):
+        assert torch.equal(s, b)
+        assert torch.allclose(s.float(), m.float(), atol=0.05, rtol=0.02), (s - m).abs().max()
 
 
 def test_packed_group_declines_outside_decoding():
