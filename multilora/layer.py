@@ -264,7 +264,8 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
     projection or several that read the same input (q/k/v, gate/up): one packed product
     for the base and, at one token per row, one per LoRA factor (`A` of all modules side by
-    side, `B` block-diagonal; the dense kernel of `MultiLoraLinear`, over the slots the batch
+    side, `B` block-diagonal or, for modules of one output width, stacked: `_packed_factors`;
+    the dense kernel of `MultiLoraLinear`, over the slots the batch
     uses only: a propose phase of 2 teachers in a population of 4 computes 2 slots, not 4).
     None where it does not apply (then call the modules): decoding only (`Routing.packed`,
     no gradients), bf16 weights on a oneDNN CPU, the same routing, rank and scaling, biases
