@@ -164,13 +164,21 @@ def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequen
     every query head it serves (and sums the repeats' gradients back)."""
     from multilora.decode import Blocks
 
-    ids = batch.input_ids
-    width = ids.shape[1]
-    blocks = Blocks(model, width)
-    layers = blocks.layers
+    blocks = Blocks(model, batch.input_ids.shape[1])
+    return _completion_logprobs(blocks, _causal_pass(model, blocks, batch.input_ids, adapters), batch)
+
+
+def _causal_pass(model: MultiLoraModel, blocks, ids: torch.Tensor, adapters: Sequence[str],
+                 kept: list | None = None) -> torch.Tensor:
+    """The last layer's hidden states of right-padded rows `ids` `[batch, T]` from position 0,
+    causal attention (`is_causal`, grouped key/value heads) through `blocks`; `kept` gets
+    every layer's keys and values."""
+    width, layers = ids.shape[1], blocks.layers
     gqa = blocks.kv_heads != blocks.heads
 
     def attend(i, q, k, v):
+        if kept is not None:
+            kept.append((k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layers[i].self_attn.scaling,
                                               enable_gqa=gqa)
 
@@ -179,7 +187,7 @@ def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequen
         cos, sin = blocks.cos[None, None, :width], blocks.sin[None, None, :width]
         for i, layer in enumerate(layers):
             h = blocks.attention_block(i, layer, h, cos, sin, attend)
-    return _completion_logprobs(blocks, h, batch)
+    return h
 
 
 def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: torch.Tensor | None = None
@@ -230,17 +238,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
     for g, rows in enumerate(groups):
         prompt[g, : shared[g]] = ids[rows[0], : shared[g]]
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def attend_prompt(i, q, k, v):
-        kept.append((k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layers[i].self_attn.scaling,
-                                              enable_gqa=gqa)
-
-    with model.route([adapters[rows[0]] for rows in groups]):
-        h = blocks.inner.embed_tokens(prompt)
-        cos, sin = blocks.cos[None, None, :width_p], blocks.sin[None, None, :width_p]
-        for i, layer in enumerate(layers):
-            h = blocks.attention_block(i, layer, h, cos, sin, attend_prompt)
+    _causal_pass(model, blocks, prompt, [adapters[rows[0]] for rows in groups], kept)
 
     # pass 2: every row's own tokens after its group's prompt
     rest = torch.zeros((len(adapters), width_s), dtype=torch.long, device=device)
