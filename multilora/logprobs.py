@@ -66,12 +66,12 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
                         batch.prompt_lengths)
     from multilora import decode
 
-    if decode.supports(model):
+    mask = batch.attention_mask
+    # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes them
+    if decode.supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all()):
         if groups is not None:
             return _shared_prompt_logprobs(model, batch, adapters, groups)
-        mask = batch.attention_mask
-        if bool((mask[:, 1:] <= mask[:, :-1]).all()):  # right-padded (as `pack` makes them)
-            return _causal_logprobs(model, batch, adapters)
+        return _causal_logprobs(model, batch, adapters)
     return _forward_logprobs(model, batch, adapters)
 
 
