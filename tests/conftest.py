@@ -27,8 +27,9 @@ def lora_model(tiny_model_path):
 
     from multilora.model import MultiLoraModel, load_base_model
 
-    def make(spec, n_slots: int, names, dtype=torch.float32):
-        m = MultiLoraModel(load_base_model(tiny_model_path, dtype), spec, n_slots=n_slots)
+    def make(spec, n_slots: int, names, dtype=torch.float32, base=None):
+        """`base`: another base model instead of the tiny one (`dtype` then unused)."""
+        m = MultiLoraModel(load_base_model(tiny_model_path, dtype) if base is None else base, spec, n_slots=n_slots)
         g = torch.Generator().manual_seed(0)
         for name in names:
             m.add_adapter(name, generator=g)

@@ -31,7 +31,7 @@ def _rows():
     return rows, supplied
 
 
-def _logprobs(model, shared: bool, monkeypatch):
+def _logprobs(model, shared: bool):
     """`shared`: `token_logprobs` (the prompt computed once); else the model's own forward
     over whole rows."""
     rows, supplied = _rows()
@@ -40,7 +40,7 @@ def _logprobs(model, shared: bool, monkeypatch):
     return packed, (token_logprobs if shared else logprobs_mod._forward_logprobs)(model, packed, adapters)
 
 
-def test_shared_prompt_same_logprobs_and_gradients(lora_model, monkeypatch):
+def test_shared_prompt_same_logprobs_and_gradients(lora_model):
     model = _model(lora_model)
     assert logprobs_mod._prompt_groups(pack([p for _, p, _ in _rows()[0]], [c for _, _, c in _rows()[0]], 0),
                                        [a for a, _, _ in _rows()[0]]) == [[0, 1, 2], [3, 4], [5], [6]]
@@ -48,7 +48,7 @@ def test_shared_prompt_same_logprobs_and_gradients(lora_model, monkeypatch):
     results = []
     for shared in (False, True):
         model.zero_grad(set_to_none=True)
-        packed, logp = _logprobs(model, shared, monkeypatch)
+        packed, logp = _logprobs(model, shared)
         (logp * weights).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((logp.detach(), grads))
@@ -131,21 +131,14 @@ def test_picked_logprobs_is_log_softmax_gather(dtype, chunk_rows, monkeypatch):
     assert torch.equal(logits.detach(), kept)
 
 
-def _gqa_model(dtype) -> MultiLoraModel:
+def _gqa_model(lora_model, dtype) -> MultiLoraModel:
     """A random tiny Llama whose query heads share key/value heads (4 query, 2 key/value)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
-    m = MultiLoraModel(LlamaForCausalLM(cfg).to(dtype).eval(), SPEC, n_slots=2)
-    g = torch.Generator().manual_seed(0)
-    for name in "ab":
-        m.add_adapter(name, generator=g)
-        with torch.no_grad():
-            for p in m.adapter_parameters(name):
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    m.invalidate()
+    m = lora_model(SPEC, 2, "ab", base=LlamaForCausalLM(cfg).to(dtype).eval())
     m.set_trainable(True)
     return m
 
@@ -157,7 +150,7 @@ def test_causal_pass_is_the_models_forward(case, lora_model):
     same log-probs and gradients as the model's own forward with its padding mask."""
     from multilora import decode
 
-    model = _model(lora_model) if case == "tiny" else _gqa_model(torch.bfloat16 if "bf16" in case else torch.float32)
+    model = _model(lora_model) if case == "tiny" else _gqa_model(lora_model, torch.bfloat16 if "bf16" in case else torch.float32)
     assert decode.supports(model)
     rows = [("a", tuple(range(5, 17)), (50, 51, 52, 53)), ("b", tuple(range(30, 37)), (60,)),
             ("a", tuple(range(40, 49)), (61, 62, 63, 64, 65, 66)), ("b", (7, 8), (70, 71))]
