@@ -61,6 +61,7 @@ class Routing:
         self._slots: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
         self._used: tuple[list[int], torch.Tensor] | None = None
+        self._rows: list[int] | None = None
 
     @property
     def slots(self) -> torch.Tensor | None:
@@ -71,6 +72,7 @@ class Routing:
         self._slots = value
         self._masks = {}
         self._used = None
+        self._rows = None
 
     def used_slots(self) -> tuple[list[int], torch.Tensor]:
         """The distinct slots of this batch, and each row's index into that list."""
@@ -78,6 +80,12 @@ class Routing:
             used, local = torch.unique(self._slots, sorted=True, return_inverse=True)
             self._used = (used.tolist(), local)
         return self._used
+
+    def row_slots(self) -> list[int]:
+        """`used_slots()`'s row indices as a list."""
+        if self._rows is None:
+            self._rows = self.used_slots()[1].tolist()
+        return self._rows
 
     def row_mask(self, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
                  groups: int = 1, used_only: bool = False, stacked: bool = False) -> torch.Tensor:
@@ -156,12 +164,15 @@ class MultiLoraLinear(nn.Module):
             return out
         flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
         if (torch.is_grad_enabled() and self.lora_A[0].requires_grad) or not self.routing.cache_stacks:
-            # training: stack only this batch's slots, so gradients (and their memory)
-            # reach exactly the adapters of its rows
-            used, local = self.routing.used_slots()
-            a = torch.stack([self.lora_A[s] for s in used]).to(x.dtype)  # fp32 master -> compute dtype
-            bt = torch.stack([self.lora_B[s].T for s in used]).to(x.dtype)
-            return self._add_gathered(out, flat, a.index_select(0, local), bt.index_select(0, local))
+            # training: only this batch's slots, so gradients (and their memory) reach
+            # exactly the adapters of its rows. Each used slot is cast once (fp32 master ->
+            # compute dtype) and stacked straight into its rows: no float32 stack of the
+            # slots and no gather from it, two passes over the used slots' factors fewer
+            used, _ = self.routing.used_slots()
+            a = [self.lora_A[s].to(x.dtype) for s in used]
+            bt = [self.lora_B[s].T.to(x.dtype) for s in used]
+            rows = self.routing.row_slots()
+            return self._add_gathered(out, flat, torch.stack([a[i] for i in rows]), torch.stack([bt[i] for i in rows]))
         a, bt = self._stacks()
         if flat.shape[1] <= DENSE_MAX_TOKENS_PER_ROW:
             # dense kernel: views [N r, in] and [N r, out] of the stacks, no copy
