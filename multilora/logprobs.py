@@ -60,19 +60,21 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     once (`_shared_prompt_logprobs`), other batches take one causal pass
     (`_causal_logprobs`); any other model runs its own forward.
     """
-    device = model.device
-    groups = _prompt_groups(batch, adapters)
-    batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
-                        batch.prompt_lengths)
     from multilora import decode
 
+    # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes
+    # them. Checked, and the prompts grouped, on the batch as given (no device round trip)
     mask = batch.attention_mask
-    # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes them
-    if decode.supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all()):
-        if groups is not None:
-            return _shared_prompt_logprobs(model, batch, adapters, groups)
-        return _causal_logprobs(model, batch, adapters)
-    return _forward_logprobs(model, batch, adapters)
+    layered = decode.supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all())
+    groups = _prompt_groups(batch, adapters) if layered else None
+    device = model.device
+    batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
+                        batch.prompt_lengths)
+    if not layered:
+        return _forward_logprobs(model, batch, adapters)
+    if groups is not None:
+        return _shared_prompt_logprobs(model, batch, adapters, groups)
+    return _causal_logprobs(model, batch, adapters)
 
 
 def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
