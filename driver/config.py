@@ -103,6 +103,12 @@ class TasksConfig:
     # contents (multilora.reply_format; both backends); supplied tokens are never trained on.
     # Implies the answer prefix. On in the embedded configs: a 135M model seldom keeps the format
     constrained_format: bool = False
+    # a proposal whose program copies a seed program or a reference its prompt showed (same
+    # ast_hash: names and constants abstracted) is not a new task: it gets the invalid
+    # proposal's reward, is a forfeit, and never enters the task buffer. Copies are always
+    # valid and often unsolved, so without this rule self-play teaches teachers to copy.
+    # Not in the PopuLoRA paper (AZR only asks its proposer to differ from the references)
+    reject_copies: bool = True
 
 
 @dataclass
@@ -267,7 +273,7 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
     for key in ("run.steps", "lora.rank", "tasks.proposals_per_type", "tasks.rollouts", "tasks.induction_inputs",
                 "tasks.propose_max_new_tokens", "tasks.solve_max_new_tokens", "verifier.min_workers",
-                "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb", "learner.lr",
+                "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb",
                 "learner.micro_batch", "learner.epochs", "inference.max_batch", "tasks.buffer_size",
                 "population.recovery_updates"):
         section, name = key.split(".")
@@ -283,6 +289,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("tasks.induction_shown: must be >= 1 and < tasks.induction_inputs")
     if not 0 < cfg.tasks.top_p <= 1:
         raise ConfigError(f"tasks.top_p: must be in (0, 1], got {cfg.tasks.top_p!r}")
+    if cfg.learner.lr < 0:  # 0 is the no-learning control: the update leaves every adapter unchanged
+        raise ConfigError(f"learner.lr: must be >= 0, got {cfg.learner.lr!r}")
     if cfg.tasks.temperature < 0:
         raise ConfigError(f"tasks.temperature: must be >= 0, got {cfg.tasks.temperature!r}")
     if cfg.population.mode == "population":
