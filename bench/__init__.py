@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -28,8 +29,30 @@ def results_dir() -> Path:
     return Path(os.environ.get("POPULORA_BENCH_RESULTS") or RESULTS_DIR)
 
 
+def machine() -> dict:
+    """The CPU a figure was measured on: model, cores, and the flags that decide the base's
+    dtype (`avx512_bf16`, `amx_bf16`: bf16 runs natively; without them bf16 is emulated and
+    `model.dtype: auto` runs fp32)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "cpu_bf16_flags": bf16,
+            "cpu_kind": "bf16" if bf16 else ("avx2" if "avx2" in flags else "other")}
+
+
 def write_result(name: str, result: dict) -> None:
-    """<results dir>/<name>.json (indented), and the same JSON as one line on stdout."""
+    """<results dir>/<name>.json (indented), and the same JSON as one line on stdout; the
+    machine (`machine()`) is added under "machine" when the bench did not record it."""
+    result = {**result, "machine": result.get("machine") or machine()}
     directory = results_dir()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

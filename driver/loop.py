@@ -28,7 +28,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
-from driver import checkpoint, recovery
+from driver import checkpoint, novelty, recovery
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
@@ -64,7 +64,7 @@ class StepContext:
     telemetry: Telemetry = field(default_factory=Telemetry)
     trackers: Trackers = field(default_factory=Trackers)  # logging.tensorboard / logging.wandb
     seconds: dict[str, float] = field(default_factory=dict)
-    last: str = "valid=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
+    last: str = "valid=- novel=- copies=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
     low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
     summaries: list[dict] = field(default_factory=list)  # record_step's summary of every step this process ran
     coverage: set[str] = field(default_factory=set)  # ast_hash of every valid program the teachers wrote
@@ -151,9 +151,11 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
         [j[0] for j in jobs], prompts, list(params), list(prefixes)))
     parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close,
                              t.reasoning) for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
+    copies = [novelty.copy_of(tt, p.program, refs) if p.error is None else None
+              for (_, tt, refs), p in zip(jobs, parsed)]
     requests, asked = [], []
     for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
-        if p.error is not None:
+        if p.error is not None or (t.reject_copies and copies[i] is not None):  # a copy is not a new task
             continue
         if task_type == "code_f":  # the program is the reference's; the teacher chose inputs
             requests.append({"task_type": "code_f", "program": refs[0].program, "inputs": list(p.inputs)})
@@ -164,7 +166,8 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
     proposals = []
     for i, ((teacher, task_type, refs), p, pre, out) in enumerate(zip(jobs, parsed, prefixes, outputs)):
         v = verdicts.get(i)
-        valid = bool(v and v.get("valid"))
+        rejected = t.reject_copies and copies[i] is not None
+        valid = bool(v and v.get("valid")) and not rejected
         program = refs[0].program if task_type == "code_f" else p.program
         task = None
         if valid:
@@ -173,11 +176,13 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
                             message=p.message, shown=t.induction_shown, teacher=teacher, step=step)
             else:
                 task = Task(task_type, program, input=p.input, output=v["output"], teacher=teacher, step=step)
-        reason = p.error if p.error is not None else (None if valid else (v or {}).get("reason", "invalid"))
+        reason = (p.error if p.error is not None else f"copy of {copies[i]}" if rejected
+                  else None if valid else (v or {}).get("reason", "invalid"))
         c = out.completions[0]
         source = ("seed" if refs[0].teacher == "seed" else "proposal") if task_type == "code_f" else "proposal"
         proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
-                                  tuple(p.inputs), p.message, valid, reason, task, source, c.supplied))
+                                  tuple(p.inputs), p.message, valid, reason, task, source, c.supplied, copies[i],
+                                  novelty.exact_copy(task_type, p.program, refs) if p.error is None else False))
     return proposals
 
 
@@ -308,6 +313,13 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
 
 
 # ---- records ---------------------------------------------------------------------------
+def copy_rate(proposals: list[Proposal]) -> float | None:
+    """Copies of a seed or a shown reference among the proposals that write a program
+    (code_i, code_o); None when there are none."""
+    writes = [p for p in proposals if p.task_type in novelty.WRITES_PROGRAM]
+    return float(np.mean([p.copy_of is not None for p in writes])) if writes else None
+
+
 def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards, tasks, solve_rates,
                 rollouts, stats, signal: SignalReport, events) -> dict[str, float]:
     ratings = ray.get(ctx.actors.population.ratings.remote())
@@ -318,12 +330,14 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
     times["time/step"] = sum(ctx.seconds.values())
     by_teacher, by_student = defaultdict(list), defaultdict(list)
     for p, r in zip(proposals, teacher_rewards):
-        by_teacher[p.teacher].append((p.valid, r))
+        by_teacher[p.teacher].append((p, r))
     for r in rollouts:
         by_student[r.student].append(r)
     hashes = [ast_hash(p.program) if p.program else None for p in proposals]
-    # coverage: distinct ASTs among the valid programs the teachers wrote (code_f reuses programs)
-    ctx.coverage.update(h for p, h in zip(proposals, hashes) if p.valid and p.task_type != "code_f" and h)
+    # coverage: distinct ASTs among the novel valid programs the teachers wrote (code_f reuses
+    # programs; a copy of a seed or a shown reference is not the teachers' work)
+    ctx.coverage.update(h for p, h in zip(proposals, hashes)
+                        if p.valid and p.copy_of is None and p.task_type in novelty.WRITES_PROGRAM and h)
     # members that left this step still get their last row (they played it)
     played = list(dict.fromkeys(list(matches) + list(matches.values()) + teachers + students))
     metrics = []
@@ -335,7 +349,9 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "step": step, "member": m,
             "role": "agent" if single else ("teacher" if m in by_teacher or m in teachers else "student"),
             "alive": m in teachers or m in students, "roles_played": ",".join(roles),
-            "teacher/valid_rate": float(np.mean([v for v, _ in tp])) if tp else None,
+            "teacher/valid_rate": float(np.mean([p.valid for p, _ in tp])) if tp else None,
+            "teacher/novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p, _ in tp])) if tp else None,
+            "teacher/copy_rate": copy_rate([p for p, _ in tp]),
             "teacher/reward": float(np.mean([r for _, r in tp])) if tp else None,
             "student/solve_rate": float(np.mean([r.correct for r in sr])) if sr else None,
             "student/malformed_rate": float(np.mean([r.malformed for r in sr])) if sr else None,
@@ -363,7 +379,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
             "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,
             **{k: cx.get(k) for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
-            "ast_hash": h, "program_source": p.source,
+            "ast_hash": h, "program_source": p.source, "copy_of": p.copy_of, "copy_exact": p.exact_copy,
         })
     ctx.run.append("tasks", task_rows)
     recovery.track(ctx.run.rows["lineage"], metrics, ctx.cfg.population.recovery_updates)  # earlier children
@@ -379,6 +395,8 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
     ctx.run.flush()
     summary = {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
+        "novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p in proposals])) if proposals else 0.0,
+        "copy_rate": copy_rate(proposals) or 0.0,
         "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
         "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
@@ -528,11 +546,13 @@ def train(cfg: Config, resume: Path | None = None,
                 continue
             step += 1
             bar.update(1)
-            ctx.last = (f"valid={s['valid_rate']:.2f} solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f} "
+            ctx.last = (f"valid={s['valid_rate']:.2f} novel={s['novel_valid_rate']:.2f} copies={s['copy_rate']:.2f} "
+                        f"solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f} "
                         f"signal={s['signal_share']:.2f}")
             bar.set_postfix_str(f"phase=done {ctx.last}")
-            log.info("step %d: valid %.2f solve %.2f teacher reward %+.2f signal %.2f tasks %d replaced %d | %s",
-                     step, s["valid_rate"], s["solve_rate"], s["teacher_reward"], s["signal_share"], s["tasks"],
+            log.info("step %d: valid %.2f novel valid %.2f copies %.2f solve %.2f teacher reward %+.2f signal %.2f "
+                     "tasks %d replaced %d | %s", step, s["valid_rate"], s["novel_valid_rate"], s["copy_rate"],
+                     s["solve_rate"], s["teacher_reward"], s["signal_share"], s["tasks"],
                      s["replaced"],
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))
             every = cfg.run.checkpoint_every

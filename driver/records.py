@@ -45,6 +45,10 @@ class Proposal:
     # earlier valid code_i / code_o proposal) or "seed" (a code_f task on a seed program)
     source: str = "proposal"
     supplied: tuple[bool, ...] = ()  # completion tokens the reply format supplied (not trained on)
+    # the seed or shown reference the program copies (`driver.novelty.copy_of`), else None;
+    # `exact_copy`: the stricter rule (same source after ast.unparse)
+    copy_of: str | None = None
+    exact_copy: bool = False
 
 
 @dataclass(frozen=True)

@@ -444,6 +444,8 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "mean solve rate over the run": _fmt(_run_mean(run, "student/solve_rate")),
         "final valid-task rate": _fmt(_final_mean(run, "teacher/valid_rate")),
         "mean valid-task rate over the run": _fmt(_run_mean(run, "teacher/valid_rate")),
+        "mean novel valid-task rate over the run": _fmt(_run_mean(run, "teacher/novel_valid_rate")),
+        "mean copy rate over the run": _fmt(_run_mean(run, "teacher/copy_rate")),
         "mean signal share over the run": _fmt(_run_mean(run, "learner/signal_share")),
         "final teacher reward": _fmt(_final_mean(run, "teacher/reward")),
         "seconds per step": _fmt(float(np.mean(times["step"])) if times["step"] else None, 1),
@@ -592,6 +594,13 @@ FIGURES = (
      "Mean teacher reward: −1 for an invalid task, 0 for a task nobody solved, else 1 − solve rate."),
     ("valid_rate.png", "Valid-task rate",
      "Fraction of a teacher's proposals the verifier accepted (parses, defines f, deterministic, literal output)."),
+    ("novel_valid_rate.png", "Novel valid-task rate",
+     "Fraction of a teacher's proposals that are valid and not a copy: a copy is a code_i / code_o program whose "
+     "AST (bound names and constants abstracted) equals a seed program's or a reference's its prompt showed. "
+     "A valid rate that rises while this stays flat is teachers learning to copy, not to write tasks."),
+    ("copy_rate.png", "Copy rate",
+     "Fraction of a teacher's code_i / code_o proposals that copy a seed program or a shown reference. With "
+     "tasks.reject_copies a copy earns the invalid proposal's reward and never becomes a task."),
     ("signal_share.png", "Signal share",
      "Fraction of a member's training rows with a non-zero advantage: the only rows that change an adapter. "
      "A group (adapter, role, task type) whose rewards are all equal has zero advantage, so a step where every "
@@ -602,7 +611,8 @@ FIGURES = (
      "teachers write); code_f lines show the earlier proposals that induction tasks were built on."),
     ("coverage.png", "Coverage",
      "population/coverage: the cumulative number of distinct program ASTs (bound names and constants "
-     "abstracted, verifier_sandbox.ast_hash) among the valid code_i / code_o programs the teachers wrote. A "
+     "abstracted, verifier_sandbox.ast_hash) among the novel valid code_i / code_o programs the teachers wrote (copies of a seed or a shown reference "
+     "do not count). A "
      "population whose problem space keeps expanding keeps this curve rising."),
     ("lineage.png", "Lineage of replacements",
      "One lane per population slot; each bar is the member holding it. A numbered star marks a replacement, "
@@ -648,6 +658,10 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
                                                 bounds=(-1.0, 1.0)),
             "valid_rate.png": metric_figure(runs, "teacher/valid_rate", "Valid-task rate",
                                             "valid tasks (fraction of proposals)", bounds=(0.0, 1.0)),
+            "novel_valid_rate.png": metric_figure(runs, "teacher/novel_valid_rate", "Novel valid-task rate",
+                                                  "valid, not a copy (fraction of proposals)", bounds=(0.0, 1.0)),
+            "copy_rate.png": metric_figure(runs, "teacher/copy_rate", "Copy rate",
+                                           "copies (fraction of code_i / code_o proposals)", bounds=(0.0, 1.0)),
             "signal_share.png": metric_figure(runs, "learner/signal_share", "Signal share",
                                               "rows with non-zero advantage (fraction)", bounds=(0.0, 1.0)),
             "complexity.png": complexity_figure(runs),

@@ -27,7 +27,10 @@ KEYS = {
     "memory": ["learner", "inference", "allocator"],
     "selection": ["settings"],
     "learning": ["valid_rate_first_step", "valid_rate_by_type", "signal_share_teacher", "signal_share_student",
-                 "valid_rate_last_third_vs_first_third", "student_solve_rate_max", "seconds_per_step"],
+                 "valid_rate_last_third_vs_first_third", "student_solve_rate_max", "seconds_per_step",
+                 "novel_valid_rate_by_type", "novel_valid_rate_by_step", "copy_rate_by_step",
+                 "novel_valid_rate_last_third_vs_first_third", "code_f_model_program_share", "control",
+                 "novel_trend_vs_control", "machine"],
     "gpu_check": ["step8_vs_step1", "mixed8_vs_bare_hf", "mixed8_vs_single", "lora_A_changed_fraction"],
 }
 
@@ -74,3 +77,25 @@ def test_learning_trend_ratio_is_exact():
              + [{"step": 3, "valid": i < 13} for i in range(24)])
     assert third_ratio(tasks, 3) >= 1.3 and third_ratio(tasks, 3) == 1.3
     assert third_ratio([{"step": 1, "valid": False}, {"step": 3, "valid": True}], 3) is None  # no valid start
+
+
+def test_learning_reads_new_work_against_the_control():
+    """Copies are not new work; the learning arm's novel trend is read over the control's."""
+    from bench.learning import summarise, versus_control
+
+    def rows(step, valid, copies, task_type="code_o"):
+        return [{"step": step, "task_type": task_type, "valid": i < valid, "copy_of": "seed 1" if i < copies else None,
+                 "program_source": "proposal"} for i in range(4)]
+
+    summary = [{"signal_rows_teacher": 1, "signal_rows_student": 1, "signal_nonzero_teacher": 1,
+                "signal_nonzero_student": 0, "solve_rate": 0.0, "time/step": 1.0}]
+    # learning: 4 valid at both ends, but 3 of the first 4 are copies -> novel 1/4 -> 4/4
+    learning = summarise({0: (summary, rows(1, 4, 3) + rows(2, 4, 0) + rows(3, 4, 0))}, 3)
+    # control: novel 2/4 -> 2/4
+    control = summarise({0: (summary, rows(1, 2, 0) + rows(2, 2, 0) + rows(3, 2, 0))}, 3)
+    assert learning["valid_rate_last_third_vs_first_third"]["0"] == 1.0
+    assert learning["novel_valid_rate_last_third_vs_first_third"]["0"] == 4.0
+    assert learning["copy_rate_by_step"]["0"] == [0.75, 0.0, 0.0]
+    assert learning["novel_valid_rate_by_type"]["code_o"] == pytest.approx(9 / 12)
+    assert versus_control(learning, control) == {"0": 4.0, "all": 4.0}
+
