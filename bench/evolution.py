@@ -4,7 +4,7 @@
 
 Reference measured in the same run: materialising every ``dW = B @ A`` of one adapter
 (one pair at a time, discarded), the cheapest thing an operator that works on full
-deltas would have to do. Targets (DESIGN.md §5): a child in well under a second for a
+deltas would have to do. Targets (docs/design.md §5): a child in well under a second for a
 135M base, seconds at 7B. Prints a table, then one JSON line, also written to
 ``bench/results/evolution.json``.
 """

@@ -13,7 +13,7 @@ numbers and no stop string is used (every row makes exactly its token budget).
 Measured, in one process:
 - learner: one `PolicyTrainer.update` with the batch's rows cycling through 8 adapters vs
   the same token ids all on one adapter (same model, same tokens; the order of the two
-  alternates rep by rep). Key step8_vs_step1 (DESIGN.md section 5: aim <= 1.10; the paper
+  alternates rep by rep). Key step8_vs_step1 (docs/design.md §5: aim <= 1.10; the paper
   reports 1.31x at 8 adapters).
 - generation: tokens/s of `multilora.generation.generate` with the 8 adapters mixed in one
   batch vs the bare model (plain transformers `generate`, no LoRA layers at all: measured
@@ -21,7 +21,7 @@ Measured, in one process:
   Keys mixed8_vs_bare_hf, mixed8_vs_ours_none, mixed8_vs_single (aim >= 0.9).
 - peak GPU memory (`torch.cuda.max_memory_allocated`) of the model build, the generation
   and the learner phases, in GiB.
-- the fp32-factor learning check (issue 12, item 1): fraction of one adapter's `lora_A`
+- the fp32-factor learning check (`tests/test_lora_precision.py`): fraction of one adapter's `lora_A`
   entries that changed at all after 5 updates at lr 1e-6 on the bf16 base. With bf16
   factors it was 0.3 % on the tiny model; float32 factors give ~100 %.
 `--smoke` runs all of it on the CPU with a tiny random Llama (seconds; figures

@@ -9,7 +9,7 @@ one adapter and gets the same token ids, all on that adapter. Each `update` reco
 the old log-probs, runs forward + backward over the mixed micro-batches and steps every
 adapter's own AdamW after its own gradient clip. The two are timed alternately (the
 order flips every rep) so machine noise hits both alike; the figure is the ratio of the
-medians. Target (DESIGN.md section 5, issue 4): step8_vs_step1 <= 1.10. Prints a table,
+medians. Target (docs/design.md §5): step8_vs_step1 <= 1.10. Prints a table,
 then one JSON line, also written to ``bench/results/learner.json``.
 """
 

@@ -12,7 +12,7 @@ adapters on every projection (N = 1, 8, 16):
 RSS is read after `gc` and the allocator's release of freed memory
 (`multilora.allocator.release_free_memory`: memory the process could hand back is not
 counted); the peak (VmHWM) is reported too. `extra_mb_per_adapter` = (rss_16 - rss_1) / 15,
-compared with the adapter's own size (`adapter_mb`). Target (issue 4): at most 3x the
+compared with the adapter's own size (`adapter_mb`). Target (docs/design.md §5): at most 3x the
 adapter per added member (the base is never copied; AdamW state is about 2x the
 adapter). Prints a table, then one JSON line, also written to ``bench/results/memory.json``.
 """

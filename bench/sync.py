@@ -10,8 +10,8 @@ object store, the server resolves the ObjectRef and copies the views into its sl
 touches a disk. `sync_ms_per_adapter` = median sync time / 8; `dict_sync_ms_per_adapter`
 is the same trip with a dict of 420 tensors per adapter (`export_adapters`/`sync_adapters`). Reference measured in the
 same run, in this process: the same export + load between two in-process models
-(`inprocess_ms_per_adapter`), i.e. the copying with no Ray in between. Target (DESIGN.md
-section 5): tens of milliseconds per adapter. Prints a summary, then one JSON line, also
+(`inprocess_ms_per_adapter`), i.e. the copying with no Ray in between. Target (docs/design.md
+§5): tens of milliseconds per adapter. Prints a summary, then one JSON line, also
 written to ``bench/results/sync.json``.
 """
 

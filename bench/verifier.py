@@ -6,7 +6,7 @@ and through a bare executor (os.fork, exec of the program in the child, repr pip
 also twice per task), interleaved in rounds so machine noise hits both alike.
 
 - isolated_vs_bare_fork = isolated time / bare time for the same validations, one at a
-  time (target <= 2.0, DESIGN.md section 5; `isolation_overhead` is the same figure under
+  time (target <= 2.0, docs/design.md §5; `isolation_overhead` is the same figure under
   its older name);
 - scaling_2_vs_1 = validations per second with 2 concurrent callers / with 1 (target
   >= 1.7), isolated; `bare_scaling_2_vs_1` is the same for bare forks: what the machine

@@ -19,8 +19,9 @@ batch of one does. Two equivalent kernels, chosen per call by shape:
 Precision. The factors are float32 parameters whatever the base's dtype, and so are
 their gradients and AdamW states: a LoRA-sized update (lr 1e-6..1e-4 times a unit Adam
 step) is below half a bf16 ulp of most entries (bf16 keeps 8 significant bits: an entry of
-0.02 moves only by steps of 1.2e-4), so bf16 factors would swallow it (issue 12: 0.3 % of
-`lora_A` entries changed after 5 updates at lr 1e-6 with bf16 factors, 99.9 % in fp32).
+0.02 moves only by steps of 1.2e-4), so bf16 factors would swallow it (on the tiny model,
+`tests/test_lora_precision.py`: 0.3 % of `lora_A` entries changed after 5 updates at lr
+1e-6 with bf16 factors, 99.9 % in fp32).
 The forward casts them to the activation dtype (mixed precision as in Micikevicius et al.
 2018: fp32 master weights, low-precision compute); the cached inference stacks are kept
 in the base's dtype, so decoding casts nothing per token.

@@ -1,4 +1,4 @@
-"""`model.dtype: auto` (issue 13, item 1): bf16 base where the hardware multiplies bf16,
+"""`model.dtype: auto`: bf16 base where the hardware multiplies bf16,
 fp32 elsewhere; LoRA factors fp32 either way."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for evolution.OPERATORS and the LoRA-pair helpers (DESIGN.md §4 contract)."""
+"""Tests for evolution.OPERATORS and the LoRA-pair helpers (docs/design.md §4.6 contract)."""
 
 from __future__ import annotations
 
