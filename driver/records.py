@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Task:
-    """A valid task with its gold answers (DESIGN.md §4 field conventions).
+    """A valid task with its gold answers (docs/design.md §4.1 field conventions).
 
     code_i / code_o use `input` and `output`; code_f uses `inputs` / `outputs`, of which the
     first `shown` pairs are shown to the student and the rest are held out for checking.

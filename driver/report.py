@@ -1,6 +1,6 @@
 """The arms-race report of a run: PNG figures and one self-contained HTML page.
 
-`write_report(runs/<name>)` reads the run's parquet tables (DESIGN.md §4) and writes into
+`write_report(runs/<name>)` reads the run's parquet tables (docs/design.md §4.7) and writes into
 `runs/<name>/report/`: one PNG per figure and `index.html`, which embeds every figure as
 base64 (the page still works when mailed alone) and links the PNG next to it. With
 `compare=runs/<other>` (typically the single-agent baseline) every per-step figure overlays

@@ -1,4 +1,4 @@
-"""Rewards and advantages (DESIGN.md §1).
+"""Rewards and advantages (docs/design.md §1.4).
 
 Student (AZR's format-aware accuracy reward, Zhao et al. 2025):
     r_s = 1 if correct; -0.5 if well-formatted but wrong; -1 if malformed.

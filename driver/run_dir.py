@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md §4): config echo, parquet tables, PEFT adapters."""
+"""The run directory (docs/design.md §4.7): config echo, parquet tables, PEFT adapters."""
 
 from __future__ import annotations
 

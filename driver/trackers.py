@@ -1,7 +1,7 @@
 """Experiment trackers (`logging.tensorboard`, `logging.wandb`): the metrics.parquet scalars, same names.
 
 Each step, `Trackers.log(step, rows)` receives the rows that go to metrics.parquet (one per
-member). Numeric columns become scalars under their column names (DESIGN.md §4):
+member). Numeric columns become scalars under their column names (docs/design.md §4.4):
 
 - TensorBoard: `runs/<name>/tensorboard/<member>/` per member, tags = column names, so one
   chart per metric overlays the members; the step-wide columns (`time/*`,

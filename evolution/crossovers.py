@@ -1,7 +1,7 @@
 """Crossover operators: two parents ``[a, b]`` in, one child out, at ``a``'s rank.
 
 The operator list (swap layer or module slots between two parents; merge in ``dW``
-space and re-factor by SVD at the same rank) is PopuLoRA's (DESIGN.md §1, step 5
+space and re-factor by SVD at the same rank) is PopuLoRA's (docs/design.md §1.6,
 "Evolve"). A LoRA pair always travels whole: mixing the ``A`` of one parent with the
 ``B`` of another makes cross terms that neither parent learned. Pure, deterministic
 for a generator seed (one uniform draw per slot, in ``lora_pairs`` order, whatever
@@ -101,7 +101,7 @@ def svd_merge(parents: list[State], generator: torch.Generator, weight: float = 
 
     Source: PopuLoRA's crossover list ("merge in delta-W space and re-factor by SVD at
     the same rank"). Averaging factors would not average ``dW`` (cross terms ``B_a A_b``;
-    DESIGN.md §1), so the factors are stacked,
+    docs/design.md §1.6), so the factors are stacked,
     ``dW = [(1-w) B_a, w B_b] @ [A_a; A_b]``, and ``evolution.lowrank.product_svd`` takes
     its SVD through the ``(r_a + r_b)``-square core; the top ``r_a`` triplets are the
     best rank-``r_a`` approximation (Eckart-Young), split as ``B = U sqrt(S)``,

@@ -1,6 +1,6 @@
 """Low-rank algebra on LoRA factors, without forming the ``[out, in]`` delta.
 
-Gauge facts (DESIGN.md §1): ``dW = B @ A`` is unchanged by ``B -> B Q``, ``A -> Q^T A``
+Gauge facts (docs/design.md §1.6): ``dW = B @ A`` is unchanged by ``B -> B Q``, ``A -> Q^T A``
 for orthogonal ``Q`` and by permuting rank slots, so factors are only defined up to that
 gauge. Re-factorising a product therefore goes through its SVD and returns the balanced
 split ``B' = U sqrt(S)``, ``A' = sqrt(S) V^T``. Optimizer state is not gauge-invariant:

@@ -1,7 +1,7 @@
 """Mutation operators: one parent in, one child out, strength set by ``scale``.
 
 The operator list (Gaussian noise, singular-value perturbation, low-rank subspace
-rotation) is PopuLoRA's (DESIGN.md §1, step 5 "Evolve"). Every operator here is pure
+rotation) is PopuLoRA's (docs/design.md §1.6, "Evolve"). Every operator here is pure
 (the parent is never written), keeps keys, shapes, dtypes and rank, draws all its
 randomness from the given ``torch.Generator`` in the fixed pair order of
 ``lora_pairs`` (the same number of draws whatever the tensor values), and returns the
@@ -82,7 +82,7 @@ def singular_value(parents: list[State], generator: torch.Generator, scale: floa
     SVD of the ``r x r`` core), then ``B' = U sqrt(S')``, ``A' = sqrt(S') V^T``. The
     singular vectors, hence the column and row spaces, are kept; a zero ``dW`` stays zero
     (its slots keep the parent's ``A`` rows, so the child can still learn).
-    The factors come back in the balanced gauge (DESIGN.md §1), so even ``scale=0``
+    The factors come back in the balanced gauge (docs/design.md §1.6), so even ``scale=0``
     changes ``A`` and ``B`` while keeping ``dW``: reset the child's optimizer state.
     """
     parent = _only_parent(parents, "singular_value")

@@ -1,6 +1,6 @@
 """The registry of evolution operators the population manager draws from.
 
-Contract (DESIGN.md §4): ``OPERATORS[name](parents, generator, **params)`` returns a
+Contract (docs/design.md §4.6): ``OPERATORS[name](parents, generator, **params)`` returns a
 child state dict with the keys, shapes, dtypes and rank of ``parents[0]``; pure and
 deterministic for a ``torch.Generator`` seed. Mutations take ``[parent]`` and ``scale``;
 crossovers take ``[a, b]`` and ``p`` (swaps) or ``weight`` (merge).

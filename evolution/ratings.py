@@ -14,7 +14,7 @@ Why: the teacher's objective is tasks its student cannot solve and the student's
 to solve them, so the majority outcome of the student's rollouts is the natural winner.
 
 The ``rho == 0`` outcome, on purpose: such a task earns the teacher reward 0, not 1
-(DESIGN.md §1: an unsolvable task teaches nothing, and rewarding it would push teachers
+(docs/design.md §1.4: an unsolvable task teaches nothing, and rewarding it would push teachers
 to garbage), yet it counts as a teacher *win* here. Ratings measure relative strength
 and serve selection; the reward shapes learning. A student that solves none of a
 teacher's valid tasks is weaker than that teacher, whether or not those tasks were

@@ -1,6 +1,6 @@
 """Who gets replaced, who breeds, and with which operator (PopuLoRA's "Evolve" step).
 
-The weakest member by conservative TrueSkill ``mu - 3 sigma`` is replaced (DESIGN.md §1);
+The weakest member by conservative TrueSkill ``mu - 3 sigma`` is replaced (docs/design.md §1.6);
 parents come from a tournament on the same score, which keeps selection pressure
 tunable through ``k`` and stays robust to a single over-rated member.
 """

@@ -1,4 +1,4 @@
-"""The JSON request/response contract of the verifier (DESIGN.md section 4), shared by the
+"""The JSON request/response contract of the verifier (docs/design.md §4.2), shared by the
 CLI and the Ray workers. `handle` never raises: a bad request is an error reply."""
 
 from __future__ import annotations
