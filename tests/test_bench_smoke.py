@@ -20,7 +20,7 @@ BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__i
 KEYS = {
     "evolution": ["max_seconds_135m", "retention", "allocator"],
     "verifier": ["isolated_vs_bare_fork", "scaling_2_vs_1", "bare_scaling_2_vs_1"],
-    "multilora": ["ours_mixed8_vs_hf_bf16_none", "ours_mixed8_vs_peft_mixed8", "ours_mixed8_vs_ours_single",
+    "multilora": ["ours_mixed8_vs_hf_bf16_none", "ours_mixed8_vs_hf_best_none", "ours_mixed8_vs_peft_mixed8", "ours_mixed8_vs_ours_single",
                   "greedy_agreement_with_fp32", "allocator"],
     "learner": ["step8_vs_step1", "allocator"],
     "sync": ["sync_ms_per_adapter"],
@@ -59,6 +59,7 @@ def test_multilora_workloads_smoke(workload, tmp_path):
     assert proc.returncode == 0, f"bench.multilora --workload {workload} failed:\n{proc.stderr[-2000:]}"
     result = json.loads((tmp_path / f"multilora_{workload}.json").read_text())
     assert result[f"{workload}_vs_hf_bf16"] is not None and result["every_row_made_all_tokens"], result
+    assert result[f"{workload}_vs_hf_best"] is not None and result["machine"]["cpu_model"], result
 
 
 @pytest.mark.parametrize("name", BENCHES)
