@@ -131,6 +131,19 @@ class LearnerConfig:
     strategy: str = "torch"  # "deepspeed": ZeRO over the adapter parameters (GPU, optional extra)
     zero_stage: int = 2
     offload_optimizer: bool = False  # deepspeed only: fp32 master weights and moments on the CPU
+    # truncated importance sampling (pipeline.max_staleness >= 1): the per-token weight
+    # pi_learner / pi_behaviour is capped here (veRL's and slime's TIS use 2)
+    is_cap: float = 2.0
+
+
+@dataclass
+class PipelineConfig:
+    # k: how many policy versions the samples a learner trains on may lag behind it. 0: each
+    # step generates, then trains (lockstep). k >= 1: the generation of step t+1 runs while the
+    # learner trains on step t, sampling from the adapters after update t-1 (one step off
+    # policy, importance-corrected: learner.is_cap); the schedule is fixed, so a seed gives
+    # the same run every time. The overlap needs only one step of lag; k > 1 allows no more
+    max_staleness: int = 0
 
 
 @dataclass
@@ -176,6 +189,7 @@ class Config:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -274,7 +288,7 @@ def _validate(cfg: Config) -> None:
     for key in ("run.steps", "lora.rank", "tasks.proposals_per_type", "tasks.rollouts", "tasks.induction_inputs",
                 "tasks.propose_max_new_tokens", "tasks.solve_max_new_tokens", "verifier.min_workers",
                 "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb",
-                "learner.micro_batch", "learner.epochs", "inference.max_batch", "tasks.buffer_size",
+                "learner.micro_batch", "learner.epochs", "learner.is_cap", "inference.max_batch", "tasks.buffer_size",
                 "population.recovery_updates"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
@@ -296,7 +310,8 @@ def _validate(cfg: Config) -> None:
     if cfg.population.mode == "population":
         positive("population.teachers", cfg.population.teachers)
         positive("population.students", cfg.population.students)
-    for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games"):
+    for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games",
+                "pipeline.max_staleness"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")
