@@ -1,11 +1,23 @@
 """Policy-gradient updates of every adapter of a `MultiLoraModel` in one pass.
 
 Each adapter has its own AdamW (so a replaced member's state resets alone) and its own
-gradient-norm clip. One `update` call: recompute the rollout log-probs under the current
-weights (pi_old), then for `epochs` passes over micro-batches of mixed adapters,
-accumulate the clipped policy-gradient loss (`logprobs.clipped_pg_loss`) and take one
-optimizer step per adapter that had rows in the batch. Adapters absent from the batch
-are not stepped at all (AdamW would otherwise move them on stale momentum).
+gradient-norm clip. One `update` call makes `epochs` passes over micro-batches of mixed
+adapters, accumulates the loss of `logprobs.clipped_pg_loss` and takes one optimizer step
+per adapter and pass. What that loss is depends on the number of passes:
+
+- one epoch (the default, `learner.epochs: 1`): pi_old is the policy being updated, the
+  ratio is exactly 1 and `clip_eps` never acts. The step is REINFORCE with
+  group-normalised advantages (REINFORCE++ / AZR's task-relative baselines,
+  `driver.rewards`): grad = -mean_rows 1/|y| sum_t A * grad log pi(y_t).
+- more epochs: pi_old is the first pass's log-probs, kept (detached); from the second
+  pass on the ratio to them is clipped to [1 - eps, 1 + eps] (PPO's clipped surrogate,
+  Schulman et al. 2017), so `clip_eps` acts from the second epoch.
+
+An adapter takes an optimizer step only when one of its rows in the update carries
+signal (a non-zero advantage). Adapters absent from the batch, and adapters whose rows
+all have advantage 0 (a group that shared one reward), are not stepped at all: their
+weights and AdamW state (step count, moments) stay exactly as they were; AdamW would
+otherwise move them on stale momentum and weight decay with a zero gradient.
 """
 
 from __future__ import annotations
@@ -124,19 +136,13 @@ class PolicyTrainer:
     def drop_optimizer(self, name: str) -> None:
         self.optimizers.pop(name, None)
 
-
-    @torch.no_grad()
-    def _old_logprobs(self, samples: Sequence[TrainSample], batches: list[list[int]]) -> dict[int, torch.Tensor]:
-        old: dict[int, torch.Tensor] = {}
-        for idx in batches:
-            packed = pack_samples(samples, idx, self.pad_id)
-            logp = token_logprobs(self.model, packed, [samples[i].adapter for i in idx])
-            for row, i in enumerate(idx):
-                old[i] = logp[row]
-        return old
-
     def update(self, samples: Sequence[TrainSample]) -> dict[str, dict[str, float]]:
-        """One policy-gradient update of every adapter in `samples`; per-adapter stats."""
+        """One policy-gradient update of every adapter in `samples`; per-adapter stats
+        (`loss`, `grad_norm`, `update_norm`, `samples`; `stepped`: 1.0 when the adapter took
+        optimizer steps, 0.0 when none of its rows carried signal; `clip_frac`: the share of
+        its completion tokens with signal, over the passes after the first, whose ratio left
+        [1 - eps, 1 + eps] in its advantage's direction, where the clip zeroes the gradient;
+        0.0 with one epoch)."""
         samples = [s for s in samples if s.completion_ids]
         if not samples:
             return {}
@@ -146,18 +152,25 @@ class PolicyTrainer:
             if s.adapter not in self.optimizers:
                 self.reset_optimizer(s.adapter)
         # A row with advantage 0 has exactly zero gradient (min(r*0, clip(r)*0) = 0), so it
-        # is never computed; it still counts in its adapter's mean and its adapter still
-        # steps (with zero gradients), which keeps the update identical to the full one.
+        # is never computed; it still counts in its adapter's mean (rows_of), so an adapter
+        # with signal steps exactly as if its zero rows had been computed.
         samples = [s for s in samples if s.advantage != 0.0]
+        with_signal = {s.adapter for s in samples}
+        stepping = [name for name in rows_of if name in with_signal]
+        stats: dict[str, dict[str, float]] = {
+            name: {"loss": 0.0, "grad_norm": 0.0, "update_norm": 0.0, "samples": float(n),
+                   "stepped": float(name in stepping), "clip_frac": 0.0} for name, n in rows_of.items()}
+        if not stepping:
+            return stats
         batches = micro_batches(samples, self.settings.micro_batch)
-        # pi_old: with one epoch it is the policy of the first (only) pass itself, so its
-        # log-probs are that pass's own, detached (ratio 1): one forward pass fewer, the
-        # same update. More epochs need them fixed before the first step.
-        old = self._old_logprobs(samples, batches) if self.settings.epochs > 1 else None
-        stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # pi_old: the first pass's own log-probs, detached (ratio exactly 1 in that pass),
+        # kept per micro-batch for the later passes (same micro-batches, same rows)
+        old: list[torch.Tensor] = []
+        clipped: dict[str, float] = defaultdict(float)  # clip_frac's numerator and denominator
+        counted: dict[str, float] = defaultdict(float)
         # each adapter's gradient is one flat tensor laid out like its slot buffer; its
         # factors' `.grad`s are views of it, which backward accumulates into in place
-        flats = {name: self.model.slot_buffer(name) for name in rows_of}
+        flats = {name: self.model.slot_buffer(name) for name in stepping}
         for name, flat in flats.items():
             self._follow(name, flat)
             flat.grad = torch.zeros_like(flat)
@@ -169,14 +182,17 @@ class PolicyTrainer:
                 if epoch:
                     for flat in flats.values():
                         flat.grad.zero_()
-                for idx in batches:
+                for k, idx in enumerate(batches):
                     adapters = [samples[i].adapter for i in idx]
                     packed = pack_samples(samples, idx, self.pad_id)
                     logp = token_logprobs(self.model, packed, adapters)
-                    old_logp = logp.detach() if old is None else torch.stack([old[i] for i in idx])[:, : logp.shape[1]]
+                    if epoch == 0:
+                        old.append(logp.detach())
                     adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
-                    per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask.to(logp.device),
-                                                self.settings.clip_eps)
+                    mask = packed.completion_mask.to(logp.device)
+                    per_seq, _ = clipped_pg_loss(logp, old[k], adv, mask, self.settings.clip_eps)
+                    if epoch:
+                        self._count_clipped(logp.detach() - old[k], adv, mask, adapters, clipped, counted)
                     # mean over each adapter's rows, summed over adapters: every adapter's
                     # gradient has the same scale whatever its share of the batch
                     weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype,
@@ -201,6 +217,19 @@ class PolicyTrainer:
             # as much memory as the freed gradients (an adapter's size per member) back to
             # the kernel: an allocator that keeps freed blocks (TCMalloc) would hold them
             allocator.release_free_memory(sum(flat.numel() * flat.element_size() for flat in flats.values()))
-        for name, n in rows_of.items():
-            stats[name]["samples"] = float(n)
-        return {k: dict(v) for k, v in stats.items()}
+        for name, n in counted.items():
+            stats[name]["clip_frac"] = clipped[name] / n if n else 0.0
+        return stats
+
+    def _count_clipped(self, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, adapters: list[str],
+                       clipped: dict[str, float], counted: dict[str, float]) -> None:
+        """Add each row's clipped and completion tokens to its adapter's counts. A token is
+        clipped where min(r A, clip(r) A) takes the constant clip(r) A: r > 1 + eps with
+        A > 0, or r < 1 - eps with A < 0 (TRL's `clip_ratio`)."""
+        ratio, eps, a = torch.exp(log_ratio), self.settings.clip_eps, adv[:, None]
+        held = ((ratio > 1 + eps) & (a > 0)) | ((ratio < 1 - eps) & (a < 0))
+        per_row = (held * mask).sum(dim=1).tolist()
+        tokens = mask.sum(dim=1).tolist()
+        for row, name in enumerate(adapters):
+            clipped[name] += per_row[row]
+            counted[name] += tokens[row]
