@@ -2,6 +2,12 @@
 
 Every hyperparameter lives here (CleanRL habit). `load_config` checks keys, types and
 paths before any work starts and raises `ConfigError` with one line naming the key.
+
+The defaults are what a user should get for a model they bring (a capable instruct
+model, as the paper's Qwen2.5-Coder-7B); the sampling, group-size and learning-rate ones
+name their reference beside them (AZR: Absolute Zero Reasoner; the PopuLoRA paper;
+PEFT/TRL practice for LoRA). The embedded configs (configs/local.yaml, baseline-local.yaml,
+test.yaml) override what their small models need, each override with its reason.
 """
 
 from __future__ import annotations
@@ -84,24 +90,35 @@ class PopulationConfig:
 @dataclass
 class TasksConfig:
     types: list[str] = field(default_factory=lambda: ["code_i", "code_o", "code_f"])
-    proposals_per_type: int = 2  # per teacher per step
-    rollouts: int = 2  # n: student samples per valid task
+    # per teacher per step; also the rows of each (teacher, task type) group the advantages
+    # are normalised over. 8: configs/cluster-7b.yaml, the paper's 7B setting (AZR proposes
+    # 64 per type per step for its one model); groups of 2 give every row +-1 or 0
+    proposals_per_type: int = 8
+    # n: student samples per valid task, the solve rate's Monte-Carlo estimate and the rows
+    # of a student's group for that task. 8: AZR's n_samples, as configs/cluster-7b.yaml
+    rollouts: int = 8
     references: int = 2  # reference programs shown in a teacher prompt
     induction_inputs: int = 4  # inputs a teacher writes for a code_f task
     induction_shown: int = 2  # of which the student sees this many; the rest are held out
     propose_max_new_tokens: int = 192
     solve_max_new_tokens: int = 128
+    # AZR samples proposals and rollouts at temperature 1.0, top_p 1.0: the policy the
+    # policy gradient assumes, no truncated tail
     temperature: float = 1.0
-    top_p: float = 0.95
+    top_p: float = 1.0
     buffer_size: int = 256
     answer_prefix: bool = True  # start each reply inside its <answer> block (see prompts.answer_prefix)
-    require_answer_close: bool = True  # false: an unclosed last <answer> block ends with the reply
+    # false: an unclosed last <answer> block ends with the reply. True: AZR's format check
+    # needs the closed block; a model that keeps the format loses nothing by it
+    require_answer_close: bool = True
     # a <think> section before every answer, as in AZR (prompts ask for it, its tokens are
     # trained, the answer is read after </think>); off where the token budget is tight
     reasoning: bool = False
     # the generator supplies the reply format's tags and fences and the model writes only the
     # contents (multilora.reply_format; both backends); supplied tokens are never trained on.
-    # Implies the answer prefix. On in the embedded configs: a 135M model seldom keeps the format
+    # Implies the answer prefix. Off by default: a capable model writes AZR's format itself
+    # (AZR's setting, configs/cluster-7b.yaml); on in the embedded configs: a 135M model
+    # seldom keeps the format
     constrained_format: bool = False
     # a proposal whose program copies a seed program or a reference its prompt showed (same
     # ast_hash: names and constants abstracted) is not a new task: it gets the invalid
@@ -122,12 +139,19 @@ class VerifierConfig:
 
 @dataclass
 class LearnerConfig:
-    lr: float = 1e-4
+    # AdamW rate of the LoRA factors. 1e-5: AZR's 1e-6 is a full fine-tuning rate, and LoRA's
+    # best rate is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret",
+    # policy-gradient RL included; PEFT/TRL LoRA practice runs 1e-5..1e-4), as in
+    # configs/cluster-7b.yaml. 0: the no-learning control (no adapter moves)
+    lr: float = 1e-5
     weight_decay: float = 0.0
+    # the ratio to pi_old is clipped to [1 - clip_eps, 1 + clip_eps] (PPO) only from an
+    # update's second pass (`epochs`): with one epoch the ratio is exactly 1 and the update
+    # is REINFORCE with group-normalised advantages (multilora.trainer; stat clip_frac)
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     micro_batch: int = 8
-    epochs: int = 1
+    epochs: int = 1  # passes over one update's samples, one optimizer step per adapter each
     strategy: str = "torch"  # "deepspeed": ZeRO over the adapter parameters (GPU, optional extra)
     zero_stage: int = 2
     offload_optimizer: bool = False  # deepspeed only: fp32 master weights and moments on the CPU

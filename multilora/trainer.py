@@ -48,7 +48,7 @@ class TrainSample:
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    lr: float = 1e-4
+    lr: float = 1e-5  # driver.config.LearnerConfig's defaults, the reasons there
     weight_decay: float = 0.0
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0

@@ -74,3 +74,38 @@ def test_cluster_config_keys_are_valid(tiny_model_path):
     # its model directory exists only on the GPU nodes; everything else must validate here
     cfg = load_config(ROOT / "configs/cluster-7b.yaml", [f"model.path={tiny_model_path}"])
     assert cfg.ray.address == "auto" and cfg.run.output_dir.startswith("/")
+
+
+# The keys whose defaults are for a model a user brings (driver/config.py names each one's
+# reference) and that the small embedded models need otherwise, or were measured with.
+MODEL_DEPENDENT = ("tasks.temperature", "tasks.top_p", "tasks.constrained_format", "tasks.require_answer_close",
+                   "tasks.proposals_per_type", "tasks.rollouts", "learner.lr")
+
+
+def _yaml(name: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "baseline-local.yaml", "test.yaml"])
+def test_embedded_configs_set_every_model_dependent_key(name):
+    """A change of the defaults never changes what the embedded configs run: they set each
+    of these keys themselves."""
+    data = _yaml(name)
+    missing = [key for key in MODEL_DEPENDENT if key.split(".")[1] not in data.get(key.split(".")[0], {})]
+    assert not missing, f"configs/{name} leaves {missing} to the defaults"
+
+
+def test_defaults_are_for_a_model_a_user_brings():
+    """AZR's sampling (temperature 1.0, top_p 1.0) and group of 8 rollouts, the model's own
+    reply format, a LoRA rate of 10x AZR's full fine-tuning 1e-6; cluster-7b.yaml agrees."""
+    from driver.config import Config
+
+    cfg, cluster = Config(), _yaml("cluster-7b.yaml")
+    want = {"tasks.temperature": 1.0, "tasks.top_p": 1.0, "tasks.constrained_format": False,
+            "tasks.require_answer_close": True, "tasks.proposals_per_type": 8, "tasks.rollouts": 8, "learner.lr": 1e-5}
+    for key, value in want.items():
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == value, f"default {key}"
+        assert cluster[section].get(name, value) == value, f"configs/cluster-7b.yaml {key}"
