@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from driver.config import ConfigError, load_config
+from driver.config import Config, ConfigError, config_sources, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config and print it")
     check.add_argument("--config", default="configs/local.yaml")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--explain", action="store_true",
+                       help="print every key, its value and where it came from (default, file, --set)")
     prepare = sub.add_parser("prepare-model", help="convert the embedded GGUF model(s) to safetensors once")
     prepare.add_argument("names", nargs="*")
     report = sub.add_parser("report", help="write the plots and HTML report of a run into runs/<name>/report/")
@@ -31,6 +33,21 @@ def _parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(sub.add_parser("eval", help="score every member, the base and a baseline run on benchmarks"))
     return parser
+
+
+def _explain(cfg: Config, sources: dict[str, str], path: str) -> str:
+    """One line per key: its dotted name, its value as `--set` takes it, and its source."""
+    from functools import reduce
+
+    import yaml
+
+    values = {key: yaml.safe_dump([reduce(getattr, key.split("."), cfg)], default_flow_style=True,
+                                  width=10**9).strip()[1:-1] for key in sources}
+    key_w, value_w = max(map(len, values)), min(40, max(map(len, values.values())))
+    lines = [f"# every key: its value and where it came from (default, file {path}, --set)",
+             f"{'key':<{key_w}}  {'value':<{value_w}}  source"]
+    lines += [f"{k:<{key_w}}  {v:<{value_w}}  {sources[k]}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -74,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        if args.explain:
+            print(_explain(cfg, config_sources(args.config, args.overrides), args.config), end="")
+        else:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from driver.logs import configure
 

@@ -12,6 +12,7 @@ test.yaml) override what their small models need, each override with its reason.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import typing
@@ -375,24 +376,70 @@ def _validate_model_path(path: str) -> None:
         raise ConfigError(f"model.path: {path!r} has no config.json (a Hugging Face model directory is expected)")
 
 
+def _read_file(path: str | Path | None) -> dict[str, Any]:
+    """The YAML config file's mapping ({} without a file)."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file {str(p)!r}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"--config: {p} must hold a mapping at the top level")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply dotted overrides, validate. Raises ConfigError."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: no such file {str(p)!r}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"--config: {p} must hold a mapping at the top level")
-        data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(_read_file(path), overrides or [])
     cfg = _build(Config, data, "")
     _validate(cfg)
     return cfg
+
+
+def _leaf_keys(cls: type, prefix: str) -> list[str]:
+    """Dotted names of the fields of `cls` that hold values (sections recursed into)."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def config_sources(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, str]:
+    """Where each key of `load_config(path, overrides)` got its value, in `Config` order:
+    "default", "file", "--set", or "file + --set" (a mapping such as population.operators
+    that the file gives and an override adds an entry to). An override of a whole section
+    (`--set learner={lr: 0}`) replaces the file's section: its other keys are defaults."""
+    file_data = _read_file(path)
+    merged = apply_overrides(copy.deepcopy(file_data), overrides or [])
+    set_paths = [_parse_override(text)[0] for text in overrides or []]
+
+    def present(data: dict[str, Any], parts: list[str]) -> bool:
+        for part in parts:
+            if not isinstance(data, dict) or part not in data:
+                return False
+            data = data[part]
+        return True
+
+    sources = {}
+    for key in _leaf_keys(Config, ""):
+        parts = key.split(".")
+        if not present(merged, parts):
+            sources[key] = "default"
+        elif any(parts[:len(p)] == p for p in set_paths):  # set itself, or a section above it
+            sources[key] = "--set"
+        elif any(p[:len(parts)] == parts for p in set_paths):  # an entry of it set
+            sources[key] = "file + --set" if present(file_data, parts) else "--set"
+        else:
+            sources[key] = "file"
+    return sources
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -109,3 +109,41 @@ def test_defaults_are_for_a_model_a_user_brings():
         section, name = key.split(".")
         assert getattr(getattr(cfg, section), name) == value, f"default {key}"
         assert cluster[section].get(name, value) == value, f"configs/cluster-7b.yaml {key}"
+
+
+def test_config_sources_say_where_each_key_came_from(tmp_path):
+    from driver.config import config_sources
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: 'embedded:tiny-llama'}\nrun: {name: a, steps: 3}\n"
+                    "population: {operators: {gaussian: 1.0}}\nlearner: {lr: 0.5, epochs: 2}\n")
+    sources = config_sources(path, ["learner.lr=0", "population.operators.layer_swap=1", "run={name: b}"])
+    assert set(sources) == set(_leaves(load_config(path).to_dict()))
+    assert sources["model.path"] == "file" and sources["learner.epochs"] == "file"
+    assert sources["learner.lr"] == "--set" and sources["run.name"] == "--set"
+    assert sources["population.operators"] == "file + --set"  # the file's entry and one more
+    assert sources["run.steps"] == "default"  # `run={...}` replaced the file's whole section
+    assert sources["learner.clip_eps"] == "default" and sources["tasks.top_p"] == "default"
+
+
+def _leaves(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in data.items():
+        section = isinstance(v, dict) and k != "operators"  # a key whose value is a mapping
+        out.update(_leaves(v, f"{prefix}{k}.") if section else {f"{prefix}{k}": v})
+    return out
+
+
+def test_check_config_explain_prints_every_key_value_and_source(capsys):
+    from driver.cli import main
+
+    config = str(ROOT / "configs/test.yaml")
+    assert main(["check-config", "--config", config, "--set", "learner.lr=0", "--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("#") and lines[1].split() == ["key", "value", "source"], lines[:2]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert set(rows) == set(_leaves(load_config(config).to_dict())), "one line per key"
+    assert rows["learner.lr"].split()[1:] == ["0.0", "--set"]
+    assert rows["tasks.top_p"].split()[1:] == ["0.95", "file"]
+    assert rows["learner.epochs"].split()[1:] == ["1", "default"]
+    assert rows["tasks.types"].split(None, 1)[1].rsplit(None, 1) == ["[code_i, code_o, code_f]", "default"]
