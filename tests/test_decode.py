@@ -4,6 +4,8 @@ reply formats; one prefill per prompt; slots refilled as rows finish; no cache g
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -251,3 +253,52 @@ def test_rms_norm_fast_path_is_the_module(dtype):
             h = (torch.randn(shape, generator=g) * scale).to(dtype)
             assert torch.equal(fast(h), norm(h))
     assert decode_mod._norm(torch.nn.LayerNorm(96)).__class__ is torch.nn.LayerNorm  # others: the module
+
+
+def _digest_requests(tokenizer, temperature: float) -> list[GenerationRequest]:
+    """Five prompts, three adapters mixed, n up to 3: budgets, end of sequence, a stop
+    string and a two-section reply format (`supplied` tokens) all end rows."""
+    fmt = ReplyFormat("", ("e", "\n"), joins=(" | ",), closing="!")
+    texts = ["def f(x): return x", "x = [1, 2, 3]", "print('hello world')", "for i in range(3):", "# a comment"]
+    extras = [dict(ignore_eos=True), dict(stop=("o",)), dict(reply_format=fmt), dict(top_p=0.9),
+              dict(reply_format=fmt, ignore_eos=True)]
+    return [GenerationRequest("abc"[i % 3], tuple(tokenizer(t)["input_ids"]), SamplingParams(
+        temperature=temperature, max_new_tokens=6 + 3 * i, n=1 + i % 3, **extras[i])) for i, t in enumerate(texts)]
+
+
+def _digest(outputs) -> tuple[str, float]:
+    """sha256 of every completion's tokens, finish reason, supplied mask and log-probs
+    rounded to one decimal (coarse: a last-bit difference between machines should not
+    move it), and the log-probs' position-weighted sum (compared to 1e-3)."""
+    h, total = hashlib.sha256(), 0.0
+    for o in outputs:
+        for c in o.completions:
+            h.update(repr((c.token_ids, c.finish_reason, c.supplied, [round(x, 1) for x in c.logprobs])).encode())
+            total += sum((t + 1) * x for t, x in enumerate(c.logprobs))
+    return h.hexdigest(), total
+
+
+# Recorded on the code before the request types, the sampler and the Llama layer parts
+# moved out of `multilora.decode` / `multilora.generation` (a pure restructuring): any
+# change of tokens, stops, supplied masks or log-probs moves these.
+PINNED_DIGESTS = {
+    "greedy-decode": ("e3e5dfcbe0354911480dc3e4be28b61f9f07a473257b5ae9751bfcb01409b26c", -6892.0413),
+    "greedy-dynamic": ("e3e5dfcbe0354911480dc3e4be28b61f9f07a473257b5ae9751bfcb01409b26c", -6892.0413),
+    "sampled-decode": ("fe0eb9353666f67aa75678588a8fce98c36e4d6aa221036a75f9808f0338271d", -8221.3074),
+    "sampled-dynamic": ("b7afe32e312cedfa1a25f0d49aaab174cef32e263ca1237ee00abf9a9f240137", -8054.7540),
+}
+
+
+@pytest.mark.parametrize("case", ["greedy-decode", "greedy-dynamic", "sampled-decode", "sampled-dynamic"])
+def test_generation_digest_is_pinned(model, tokenizer, case):
+    """A fixed greedy and a fixed seeded sampled generation, through the decode loop
+    (max_batch 3: slots refilled, rows compacted) and the reference loop, give the tokens
+    and log-probs recorded before the generation modules were restructured."""
+    kind, loop = case.split("-")
+    reqs = _digest_requests(tokenizer, 0.0 if kind == "greedy" else 1.0)
+    run = generate if loop == "decode" else generate_dynamic
+    outputs = run(model, tokenizer, reqs, max_batch=3, generator=torch.Generator().manual_seed(7))
+    assert any(any(c.supplied) for o in outputs for c in o.completions), "the format supplied nothing"
+    digest, total = _digest(outputs)
+    want_digest, want_total = PINNED_DIGESTS[case]
+    assert digest == want_digest and abs(total - want_total) < 1e-3, (case, digest, total)
