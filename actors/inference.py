@@ -16,9 +16,10 @@ import torch
 
 from multilora.allocator import active as active_allocator
 from multilora.chat import ChatEngineMixin
-from multilora.generation import GenerationRequest, RequestOutput, SamplingParams, generate
+from multilora.generation import generate
 from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
 from multilora.packing import PackedAdapters, unpack
+from multilora.sampling import GenerationRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

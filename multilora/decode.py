@@ -14,13 +14,14 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   slice costs a copy; the mask hides the rest). Nothing grows or is re-allocated per
   token: no `torch.cat` of caches or masks.
 - **Own forward.** The decoder layers' modules (norms, the routed multi-LoRA projections,
-  the MLP) are called directly; attention is one `scaled_dot_product_attention` per layer
-  (grouped-query heads native). Rotary tables are computed once per call exactly as the
-  model's own rotary embedding does (fp32, then the activation dtype). Decode attention
-  is two matmuls and an fp32 softmax (torch's fused attention with a mask was 6x slower
-  at one query per row in bf16 on this CPU); prefill uses the fused causal kernel. A
-  decode step's layer parts (packed products, norms, activation) are resolved once per
-  routing (`Blocks.layer_ops`), not looked up and checked at every step.
+  the MLP) are called directly (`multilora.llama_layers.Blocks`, shared with the learner);
+  attention is one `scaled_dot_product_attention` per layer (grouped-query heads native).
+  Rotary tables are computed once per call exactly as the model's own rotary embedding does
+  (fp32, then the activation dtype). Decode attention is two matmuls and an fp32 softmax
+  (torch's fused attention with a mask was 6x slower at one query per row in bf16 on this
+  CPU); prefill uses the fused causal kernel. A decode step's layer parts (packed
+  products, norms, activation) are resolved once per routing (`Blocks.layer_ops`), not
+  looked up and checked at every step.
 - **Packed weights.** On a CPU with oneDNN bf16, a bf16 base's projections, LM head and
   the adapters' stacks are multiplied through copies reordered once into oneDNN's layout
   (`multilora.packed`), not reordered on every call: same numbers, faster. Projections
@@ -35,23 +36,23 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   token of each rollout is sampled from the same prefill logits. Prompts that enter
   together are prefilled in right-padded batches of similar length (`prefill_batches`).
 
-Sampling, stop strings and the reply format (`multilora.reply_format`: supplied tokens fed
+Each token is chosen by `multilora.rollout.TokenStep`, the step the fallback loop takes too:
+sampling, stop strings and the reply format (`multilora.reply_format`: supplied tokens fed
 one per step as the row's next token, end-of-sequence masked while a format is
-unfinished, per-token `supplied` mask and raw log-probs) behave as in the fallback loop.
+unfinished, per-token `supplied` mask and raw log-probs).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from multilora.layer import group_plan, packed_group
-from multilora.reply_format import FormatCursor, format_logits
+from multilora.llama_layers import Blocks, LayerOps, _norm, continuation_mask
+from multilora.rollout import Rollout, TokenStep
+from multilora.sampling import Completion
 
 
 # Prompts prefilled together: at most this many padded tokens per batch (activation memory).
@@ -126,53 +127,6 @@ def shared_heads(prompts: Sequence[Sequence[int]], adapters: Sequence,
     return out
 
 
-def continuation_mask(prefix: torch.Tensor, span: int, width: int) -> torch.Tensor:
-    """Attention mask `[rows, 1, width, span + width]` of rows that continue a prefix (keys
-    `[0, span)`, then the row's own `width` tokens): query t of row r sees the first
-    `prefix[r]` prefix keys and its own tokens up to t."""
-    sees = torch.arange(span, device=prefix.device)[None, :] < prefix[:, None]
-    causal = torch.ones((width, width), dtype=torch.bool, device=prefix.device).tril()
-    return torch.cat((sees[:, None, :].expand(-1, width, -1), causal[None].expand(len(prefix), -1, -1)),
-                     dim=-1)[:, None]
-
-
-def supports(model) -> bool:
-    """Whether `model.base` is a Llama-family causal LM this loop can run."""
-    inner = getattr(getattr(model, "base", None), "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not len(layers) or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
-        return False
-    cfg = model.base.config
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "sliding_window", None) and \
-            getattr(cfg, "model_type", "") == "mistral":
-        return False
-    layer = layers[0]
-    attn = getattr(layer, "self_attn", None)
-    mlp = getattr(layer, "mlp", None)
-    return (attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
-            and not hasattr(attn, "q_norm") and mlp is not None
-            and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            and hasattr(layer, "input_layernorm")
-            and hasattr(layer, "post_attention_layernorm")
-            and hasattr(getattr(inner.rotary_emb, "inv_freq", None), "shape"))
-
-
-@dataclass
-class _Row:
-    """One rollout while it occupies a cache slot."""
-
-    request: int
-    rollout: int
-    budget: int
-    ignore_eos: bool
-    stop: tuple[str, ...]
-    cursor: FormatCursor | None
-    tokens: list[int]
-    logprobs: list[float]
-    supplied: list[bool]
-    reason: str = "length"
-
-
 class _Cache:
     """Static keys/values of `rows` slots x `length` positions for every layer."""
 
@@ -185,124 +139,6 @@ class _Cache:
         self.v = [torch.zeros((rows, kv_heads, length, head_dim), dtype=dtype, device=device) for _ in range(layers)]
         # additive attention mask: 0 where a slot's position holds a key, -inf elsewhere
         self.bias = torch.full((rows, length), float("-inf"), dtype=torch.float32, device=device)
-
-
-class Blocks:
-    """The decoder layers of a Llama-family model (`supports`) called directly: rotary tables
-    for positions [0, length) and one layer's forward around a caller's attention
-    (`attention_block`). The decode loop (`Decoder`) and the learner's shared-prompt forward
-    (`multilora.logprobs`) build on it."""
-
-    def __init__(self, model, length: int) -> None:
-        base = model.base
-        inner = base.model
-        cfg = base.config
-        self.model = model
-        self.inner = inner
-        self.lm_head = base.get_output_embeddings()
-        self.layers = list(inner.layers)
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        weight = inner.embed_tokens.weight
-        self.dtype, self.device = weight.dtype, weight.device
-        # rotary tables for every position, as the model's rotary embedding computes them
-        rotary = inner.rotary_emb
-        positions = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.to(self.device, torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = getattr(rotary, "attention_scaling", 1.0)
-        self.cos = (emb.cos() * scaling).to(self.dtype)  # [T, head_dim]
-        # rotate_half(x) * sin == roll(x, d/2) * [-sin_1, sin_2]: one roll instead of two
-        # slices, a negation and a cat per use (the negation is exact, so are the values)
-        sin = (emb.sin() * scaling).to(self.dtype)
-        half = self.head_dim // 2
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-    @staticmethod
-    def _proj(module, x: torch.Tensor) -> torch.Tensor:
-        """A projection, through packed weights where they apply (`packed_group`)."""
-        out = packed_group([module], x)
-        return module(x) if out is None else out[0]
-
-    def layer_ops(self, layer, resolved: bool = False) -> LayerOps:
-        """Layer `layer`'s parts as callables. Default: the modules, through `packed_group`
-        where it applies (checked at each call). `resolved` (decode steps, one token per
-        row, no gradients): each group's packed products resolved once for the routing's
-        current slots (`multilora.layer.group_plan`), and the transformers RMSNorm as
-        `F.rms_norm` (bitwise the same: `_norm`). A decode step calls 30 layers x 7 parts:
-        resolving them once per routing took 5-9 % off a chat step (16 rows; no, 1 or 8 adapters)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        proj = self._proj
-
-        def group(modules: list) -> Callable:
-            plan = group_plan(modules, self.dtype) if resolved else None
-            if plan is not None:
-                return plan
-            return lambda x: packed_group(modules, x) or [proj(m, x) for m in modules]
-
-        norm = _norm if resolved else (lambda module: module)
-        act = F.silu if resolved and type(mlp.act_fn) is torch.nn.SiLU else mlp.act_fn
-        return LayerOps(norm(layer.input_layernorm), group([attn.q_proj, attn.k_proj, attn.v_proj]),
-                        self._one(attn.o_proj, resolved), norm(layer.post_attention_layernorm),
-                        group([mlp.gate_proj, mlp.up_proj]), self._one(mlp.down_proj, resolved), act)
-
-    def _one(self, module, resolved: bool) -> Callable:
-        """One projection as a callable (`layer_ops`)."""
-        plan = group_plan([module], self.dtype) if resolved else None
-        return (lambda x: plan(x)[0]) if plan is not None else (lambda x: self._proj(module, x))
-
-    def attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, attend, ops: LayerOps | None = None
-                        ) -> torch.Tensor:
-        """Layer `i` on hidden states `h` `[batch, tokens, hidden]`: `attend(i, q, k, v)` gets
-        the rotated queries `[batch, heads, tokens, head_dim]` and keys/values `[batch,
-        kv_heads, tokens, head_dim]` and returns the attention output shaped like `q`.
-        `ops`: the layer's parts (`layer_ops`; default: its modules)."""
-        batch, tokens, _ = h.shape
-        if ops is None:
-            ops = self.layer_ops(layer)
-        x = ops.input_norm(h)
-        q, k, v = ops.qkv(x)
-        q = q.view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        half = self.head_dim // 2
-        q = q * cos + q.roll(half, dims=-1) * sin  # rotary positions (Su et al. 2021), as the model's
-        k = k * cos + k.roll(half, dims=-1) * sin
-        o = attend(i, q, k, v)
-        o = o.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim)
-        h = h + ops.o(o)
-        x = ops.post_norm(h)
-        gate, up = ops.gate_up(x)
-        return h + ops.down(ops.act(gate) * up)
-
-
-class LayerOps(NamedTuple):
-    """A decoder layer's parts as callables (`Blocks.layer_ops`)."""
-
-    input_norm: Callable
-    qkv: Callable  # x -> [q, k, v]
-    o: Callable
-    post_norm: Callable
-    gate_up: Callable  # x -> [gate, up]
-    down: Callable
-    act: Callable
-
-
-# The RMSNorm modules of transformers' Llama-family models: weight * (x / rms(x)) in fp32,
-# rounded to the input dtype before the weight, which is `F.rms_norm` exactly (checked
-# bitwise in bf16, fp16 and fp32, tests/test_decode.py)
-_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
-
-
-def _norm(module) -> Callable:
-    """`module` as a function: one `F.rms_norm` and the weight for transformers' RMSNorm
-    (its forward is six ops), the module itself otherwise."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if type(module).__name__ not in _RMS_NORMS or weight is None or eps is None:
-        return module
-    shape = (weight.shape[-1],)
-    return lambda h: weight * F.rms_norm(h, shape, eps=eps) if h.dtype == weight.dtype else module(h)
 
 
 class Decoder(Blocks):
@@ -457,83 +293,10 @@ class Decoder(Blocks):
         cache.bias[:rows] = cache.bias[source]
 
 
-# Nucleus sampling looks for the nucleus among the 64 most likely tokens first, then among
-# the 4096 most likely for the rows whose nucleus is larger, and sorts the whole vocabulary
-# only for rows whose nucleus is larger still. SmolLM2-135M teacher proposals at T = 1.0,
-# top-p 0.95: of the rows wider than 64, the nucleus held 367 tokens at the median, 3167 at
-# the 99th percentile (12 rows x 192 steps); a full sort of 6 rows x 49k was 12 ms, topk
-# 4096 2.2 ms, and a multinomial over the whole vocabulary another 6 ms (2 threads).
-NUCLEUS_CANDIDATES = (64, 4096)
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: greedy where temperature == 0, else nucleus sampling: the smallest
-    set of most likely tokens whose probability mass reaches top_p (Holtzman et al. 2020),
-    sampled in proportion to their probabilities.
-
-    Speed on CPU (16 rows x 49k vocabulary, 1 thread): the maxima and softmax run in fp32
-    (bf16 argmax was 14x slower); the nucleus is found with `topk(64)`, then `topk(4096)`
-    for the rows it does not cover (`NUCLEUS_CANDIDATES`; exact whenever the candidates hold
-    top_p of the mass), and only a row wider still sorts the whole vocabulary (a full sort
-    was 355 ms per step); rows without a nucleus cut sample by the exponential race (argmax
-    of p / E, E ~ Exp(1), which picks token i with probability p_i) instead of
-    `multinomial` over the vocabulary (3x slower)."""
-    logits = logits.float()
-    sampling = temperature > 0
-    # the most likely token by `max(dim).indices`: the first of equal maxima, as `argmax`,
-    # 3x faster here (16 x 49k fp32, 1 thread: 0.36 vs 1.05 ms); only for the greedy rows
-    if not bool(sampling.any()):  # an all-greedy batch needs no probabilities
-        return logits.max(dim=-1).indices
-    temp = torch.where(sampling, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sampled = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    greedy = (~sampling).nonzero().squeeze(1)
-    if greedy.numel():
-        sampled[greedy] = logits[greedy].max(dim=-1).indices
-    whole = (sampling & (top_p >= 1.0)).nonzero().squeeze(1)
-    if whole.numel():
-        # E = -log U ~ Exp(1) (torch's own exponential_ was 4x slower than rand here)
-        race = torch.rand(probs[whole].shape, generator=generator, device=probs.device).log_().neg_()
-        sampled[whole] = (probs[whole] / race).max(dim=-1).indices
-    cut = (sampling & (top_p < 1.0)).nonzero().squeeze(1)
-    for k in (*NUCLEUS_CANDIDATES, None):  # ever more candidates, for ever fewer rows
-        if not cut.numel():
-            break
-        p_cut = top_p[cut][:, None]
-        if k is None or k >= probs.shape[-1]:  # the whole vocabulary: every remaining row ends here
-            values, order = probs[cut].sort(dim=-1, descending=True)
-            sampled[cut] = _nucleus(values, order, p_cut, generator)
-            break
-        values, order = probs[cut].topk(k, dim=-1)  # sorted, descending
-        wider = (values.sum(dim=-1, keepdim=True) < p_cut).squeeze(1)  # the nucleus reaches past the k candidates
-        narrow = ~wider
-        if bool(narrow.any()):
-            sampled[cut[narrow]] = _nucleus(values[narrow], order[narrow], p_cut[narrow], generator)
-        cut = cut[wider]
-    return sampled
-
-
-def _nucleus(values: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
-             generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from `values` (probabilities sorted descending, token ids `order`):
-    the smallest prefix whose mass reaches `top_p` `[rows, 1]` (the first token always
-    stays), sampled in proportion."""
-    outside = values.cumsum(dim=-1) - values >= top_p
-    pick = torch.multinomial(values.masked_fill(outside, 0.0), 1, generator=generator)
-    return order.gather(1, pick).squeeze(1)
-
-
-def _hits_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> bool:
-    # A stop string spans at most a few tokens: decoding a short tail is enough.
-    tail = tokenizer.decode(ids[-8:], skip_special_tokens=True)
-    return any(s in tail for s in stops)
-
-
 @torch.inference_mode()
 def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
            generator: torch.Generator | None = None) -> list[list]:
-    """`params.n` completions per request (`multilora.generation.GenerationRequest`), as
+    """`params.n` completions per request (`multilora.sampling.GenerationRequest`), as
     lists of `Completion` in request order; see the module docstring."""
     routing = model.routing
     previous, routing.packed = routing.packed, True  # packed bf16 weights (`multilora.packed`)
@@ -544,8 +307,6 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
 
 
 def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: torch.Generator | None) -> list[list]:
-    from multilora.generation import Completion
-
     if not requests:
         return []
     total = sum(r.params.n for r in requests)
@@ -554,22 +315,15 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
     dec = Decoder(model, rows, length)
     device = dec.device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = sorted({tokenizer.eos_token_id})
     has_slots = hasattr(model, "slots_for")
-    encoded: dict[str, list[int]] = {}
-
-    def encode(text: str) -> list[int]:
-        if text not in encoded:
-            encoded[text] = tokenizer.encode(text, add_special_tokens=False)
-        return encoded[text]
-
+    step = TokenStep(tokenizer, generator)
     results: list[list] = [[None] * r.params.n for r in requests]
     waiting = deque((ri, k) for ri, r in enumerate(requests) for k in range(r.params.n) if r.params.max_new_tokens > 0)
     for ri, r in enumerate(requests):  # a zero budget makes nothing
         if r.params.max_new_tokens <= 0:
             results[ri] = [Completion("", (), "length") for _ in range(r.params.n)]
     stash: dict[int, tuple] = {}  # request -> its prompt's keys/values and logits, while rollouts still wait
-    slot_row: list[_Row | None] = [None] * rows
+    slot_row: list[Rollout | None] = [None] * rows
     lengths = [0] * rows  # filled positions per slot
     slot_adapter = torch.zeros(rows, dtype=torch.long, device=device)
     temperature = torch.zeros(rows, dtype=torch.float32, device=device)
@@ -627,8 +381,7 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
             for k, s in group:
                 logits_buf[s] = logits
                 lengths[s] = len(req.prompt_ids)
-                slot_row[s] = _Row(ri, k, p.max_new_tokens, p.ignore_eos, p.stop,
-                                   FormatCursor(p.reply_format) if p.reply_format else None, [], [], [])
+                slot_row[s] = Rollout.start(ri, k, p)
                 temperature[s], top_p[s] = p.temperature, p.top_p
                 slot_adapter[s] = adapter
 
@@ -641,42 +394,13 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
             live = [s for s in range(width) if slot_row[s] is not None]
             if not live:
                 break
-            logits = logits_buf[:width].float()
-            log_norm = torch.logsumexp(logits, dim=-1)
-            # a row may not end before its format is closed, nor open a section with a banned character
-            sample_from = format_logits(logits, [slot_row[s].cursor if slot_row[s] is not None else None
-                                                 for s in range(width)], tokenizer, eos_ids)
-            tokens = sample(sample_from, temperature[:width], top_p[:width], generator).tolist()
-            forced = [False] * width
-            for s in live:
-                cursor = slot_row[s].cursor
-                if cursor is not None and cursor.pending:
-                    tokens[s], forced[s] = cursor.take_supplied(), True
-            token_t = torch.tensor(tokens, dtype=torch.long, device=device)
-            picked = (logits.gather(1, token_t[:, None]).squeeze(1) - log_norm).tolist()
-            freed = []
-            for s in live:
-                row, tok = slot_row[s], tokens[s]
-                row.tokens.append(tok)
-                row.logprobs.append(picked[s])
-                row.supplied.append(forced[s])
-                cursor = row.cursor
-                if cursor is not None and not forced[s]:
-                    cursor.model_text(tokenizer.decode([tok], skip_special_tokens=True), encode)
-                if cursor is not None and cursor.done:
-                    row.reason = "stop"
-                elif tok in eos_ids and not row.ignore_eos:
-                    row.reason = "stop"
-                elif row.stop and _hits_stop(tokenizer, row.tokens, row.stop):
-                    row.reason = "stop"
-                elif len(row.tokens) < row.budget:
-                    continue
-                results[row.request][row.rollout] = Completion(
-                    text=tokenizer.decode(row.tokens, skip_special_tokens=True), token_ids=tuple(row.tokens),
-                    finish_reason=row.reason, supplied=tuple(row.supplied) if cursor is not None else (),
-                    logprobs=tuple(row.logprobs))
+            # free slots (None) are sampled too: the generator's draws follow the batch's width
+            tokens, freed = step(logits_buf[:width], slot_row[:width], temperature[:width], top_p[:width])
+            for s in freed:
+                row = slot_row[s]
+                results[row.request][row.index] = step.completion(row)
                 slot_row[s] = None
-                freed.append(s)
+            token_t = torch.tensor(tokens, dtype=torch.long, device=device)
             going = [s for s in live if slot_row[s] is not None]
             if going:
                 # one decode step over the slots in use: finished ones are fed padding at

@@ -9,60 +9,18 @@ prompt) on Llama-family models, and the loop below around the model's own forwar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from multilora.decode import _hits_stop, decode, sample, supports
+from multilora.decode import decode
+from multilora.llama_layers import supports
 from multilora.model import MultiLoraModel
-from multilora.reply_format import FormatCursor, ReplyFormat, format_logits
+from multilora.rollout import Rollout, TokenStep
+from multilora.sampling import Completion, GenerationRequest, RequestOutput, SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; `temperature=0` is greedy. Stop strings stay in the text.
-    `ignore_eos` keeps sampling past the end-of-sequence token (benchmarks: exactly
-    `max_new_tokens` per row), as vLLM's option of that name. `reply_format`: the generator
-    supplies the format's fixed text and the model writes only the contents
-    (`multilora.reply_format`; the caller puts `reply_format.opening` in the prompt)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    n: int = 1
-    ignore_eos: bool = False
-    reply_format: ReplyFormat | None = None
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt (already chat-formatted token ids) for one adapter."""
-
-    adapter: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """`supplied[t]`: token t was put in by the reply format, not sampled (empty: none
-    was). `logprobs[t]`: log pi(token t | everything before) under the model, from the
-    raw logits (before temperature, top-p or format masks), when the engine reports it."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (eos or a stop string) or "length"
-    supplied: tuple[bool, ...] = ()
-    logprobs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """The `n` completions of one request, with the prompt ids they continue."""
-
-    prompt_ids: tuple[int, ...]
-    completions: tuple[Completion, ...]
+# The request and completion records live in `multilora.sampling`; they are named here too,
+# beside `generate`, for callers that ask for generation
+__all__ = ["Completion", "GenerationRequest", "RequestOutput", "SamplingParams", "generate", "generate_dynamic"]
 
 
 @torch.inference_mode()
@@ -71,7 +29,6 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     from transformers import DynamicCache
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = {tokenizer.eos_token_id}
     batch, longest = len(rows), max(len(r.prompt_ids) for r in rows)
     input_ids = torch.full((batch, longest), pad_id, dtype=torch.long)
     mask = torch.zeros((batch, longest), dtype=torch.long)
@@ -82,52 +39,20 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
     input_ids, mask = input_ids.to(device), mask.to(device)
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
-    budget = [r.params.max_new_tokens for r in rows]
-    out: list[list[int]] = [[] for _ in rows]
-    logprobs: list[list[float]] = [[] for _ in rows]
-    supplied: list[list[bool]] = [[] for _ in rows]
-    cursors = [FormatCursor(r.params.reply_format) if r.params.reply_format else None for r in rows]
-    encoded: dict[str, list[int]] = {}
-
-    def encode(text: str) -> list[int]:
-        if text not in encoded:
-            encoded[text] = tokenizer.encode(text, add_special_tokens=False)
-        return encoded[text]
-
-    reason = ["length"] * batch
+    rollouts = [Rollout.start(i, 0, r.params) for i, r in enumerate(rows)]
+    step = TokenStep(tokenizer, generator)
     live = list(range(batch))  # rows still generating; finished rows leave the batch
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     step_ids = input_ids
     with model.route([r.adapter for r in rows]):
-        for _ in range(max(budget)):
+        for _ in range(max(r.params.max_new_tokens for r in rows)):
             # logits_to_keep=1: the prompt's positions never go through the LM head
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-            log_norm = torch.logsumexp(logits.float(), dim=-1)
-            sample_from = format_logits(logits, [cursors[i] for i in live], tokenizer, eos_ids)
-            tokens = sample(sample_from, temperature, top_p, generator).tolist()
-            forced = [False] * len(live)
-            for k, i in enumerate(live):
-                if cursors[i] is not None and cursors[i].pending:
-                    tokens[k], forced[k] = cursors[i].take_supplied(), True
-            picked = logits.gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1).float() - log_norm
-            keep = []
-            for k, (i, tok, lp) in enumerate(zip(live, tokens, picked.tolist())):
-                out[i].append(tok)
-                logprobs[i].append(lp)
-                supplied[i].append(forced[k])
-                cursor = cursors[i]
-                if cursor is not None and not forced[k]:
-                    cursor.model_text(tokenizer.decode([tok], skip_special_tokens=True), encode)
-                if cursor is not None and cursor.done:
-                    reason[i] = "stop"
-                elif tok in eos_ids and not rows[i].params.ignore_eos:
-                    reason[i] = "stop"
-                elif rows[i].params.stop and _hits_stop(tokenizer, out[i], rows[i].params.stop):
-                    reason[i] = "stop"
-                elif len(out[i]) < budget[i]:
-                    keep.append(k)
+            tokens, finished = step(logits, [rollouts[i] for i in live], temperature, top_p)
+            done = set(finished)
+            keep = [k for k in range(len(live)) if k not in done]
             if not keep:
                 break
             step_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
@@ -141,11 +66,7 @@ def _generate_rows(model: MultiLoraModel, tokenizer, rows: list[GenerationReques
                 if model.routing.slots is not None:
                     model.routing.slots = model.routing.slots[index]
                 live = [live[k] for k in keep]
-    return [
-        Completion(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids), finish_reason=reason[i],
-                   supplied=tuple(supplied[i]) if cursors[i] is not None else (), logprobs=tuple(logprobs[i]))
-        for i, ids in enumerate(out)
-    ]
+    return [step.completion(r) for r in rollouts]
 
 
 def generate(model: MultiLoraModel, tokenizer, requests: Sequence[GenerationRequest], max_batch: int = 32,

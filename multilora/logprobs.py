@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from multilora.llama_layers import Blocks, continuation_mask, supports
 from multilora.model import MultiLoraModel
 
 
@@ -55,17 +56,15 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
 
     Only completion positions go through the LM head, which keeps the [tokens, vocab]
     logits small (the prompt's share of a long sequence never materialises). On the models
-    the decode loop runs (`decode.supports`) the layers are called directly: rows that
+    the decode loop runs (`llama_layers.supports`) the layers are called directly: rows that
     share their adapter and prompt (a student's rollouts of one task) compute that prompt
     once (`_shared_prompt_logprobs`), other batches take one causal pass
     (`_causal_logprobs`); any other model runs its own forward.
     """
-    from multilora import decode
-
     # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes
     # them. Checked, and the prompts grouped, on the batch as given (no device round trip)
     mask = batch.attention_mask
-    layered = decode.supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all())
+    layered = supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all())
     groups = _prompt_groups(batch, adapters) if layered else None
     device = model.device
     batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
@@ -159,13 +158,11 @@ def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int
 
 def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
     """`token_logprobs` of rows that share no prompt, in one causal pass through the layers
-    (`decode.Blocks`). The rows are right-padded, so causal attention alone keeps every
+    (`llama_layers.Blocks`). The rows are right-padded, so causal attention alone keeps every
     real token from seeing a pad (pads come after it); a pad position's own output is never
     read. So attention runs as `is_causal` with grouped key/value heads, where the model's
     forward builds a `[batch, 1, T, T]` padding mask and repeats each key/value head for
     every query head it serves (and sums the repeats' gradients back)."""
-    from multilora.decode import Blocks
-
     blocks = Blocks(model, batch.input_ids.shape[1])
     return _completion_logprobs(blocks, _causal_pass(model, blocks, batch.input_ids, adapters), batch)
 
@@ -210,7 +207,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
                             groups: list[list[int]]) -> torch.Tensor:
     """`token_logprobs` with each group's shared prompt computed once.
 
-    Two passes through the layers (`decode.Blocks`): the prompts without their last token,
+    Two passes through the layers (`llama_layers.Blocks`): the prompts without their last token,
     one row per group, keeping every layer's keys and values; then each row's rest (the
     prompt's last token and the completion) at positions after its prompt, attending to
     its group's prompt keys/values and causally to its own. Gradients reach the prompt
@@ -219,8 +216,6 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
     student's 4 rollouts of a 200-token prompt with 96-token completions: 4 x 296 -> 199 +
     4 x 97 tokens).
     """
-    from multilora.decode import Blocks, continuation_mask
-
     device = model.device
     ids, lengths = batch.input_ids, batch.attention_mask.sum(dim=1).tolist()
     group_of = [0] * len(adapters)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from multilora.chat import ChatEngineMixin
-from multilora.generation import Completion, RequestOutput, SamplingParams
+from multilora.sampling import Completion, RequestOutput, SamplingParams
 from multilora.reply_format import ReplyFormat, supplied_mask
 from multilora.model import LoraSpec, resolve_dtype
 from multilora.peft_io import save_adapter

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from multilora import decode as decode_mod
-from multilora.generation import GenerationRequest, SamplingParams, generate, generate_dynamic
+from multilora import llama_layers, sampling
+from multilora.generation import generate, generate_dynamic
 from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat
+from multilora.sampling import GenerationRequest, SamplingParams
 
 SPEC = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"))
@@ -53,9 +55,40 @@ def _same(reference, ours, atol=1e-4):
 @pytest.mark.parametrize("max_batch", [32, 3])
 def test_equals_the_reference_loop(model, tokenizer, max_batch):
     """max_batch 3 < 13 rows: slots are refilled, prompts wait for slots, rows compacted."""
-    assert decode_mod.supports(model)
+    assert llama_layers.supports(model)
     reqs = _requests(tokenizer)
     _same(generate_dynamic(model, tokenizer, reqs, max_batch=32), generate(model, tokenizer, reqs, max_batch=max_batch))
+
+
+def test_grouped_query_heads_equal_the_reference_loop(lora_model, tokenizer):
+    """SmolLM2's attention shares each key/value head between several query heads (9 query,
+    3 key/value): a random Llama of that shape (4 query, 2 key/value heads), fp32, generates
+    the same tokens and log-probs through both loops, sampled and greedy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    gqa = lora_model(SPEC, 4, "abc", base=LlamaForCausalLM(cfg).eval())
+    assert llama_layers.supports(gqa)
+    reqs = _requests(tokenizer)
+    _same(generate_dynamic(gqa, tokenizer, reqs), generate(gqa, tokenizer, reqs, max_batch=3), atol=1e-5)
+    sampled = [GenerationRequest(r.adapter, r.prompt_ids, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8,
+                                                                         n=2, ignore_eos=True)) for r in reqs]
+    _same(generate_dynamic(gqa, tokenizer, sampled, generator=torch.Generator().manual_seed(3)),
+          generate(gqa, tokenizer, sampled, max_batch=32, generator=torch.Generator().manual_seed(3)), atol=1e-5)
+
+
+def test_only_tested_model_types_take_the_layer_path(model, monkeypatch):
+    """A model with Llama's module names but another architecture (Gemma scales its
+    embeddings, Mistral may slide its window) falls back to its own forward."""
+    assert llama_layers.supports(model)
+    for other in ("gemma", "mistral", "qwen3", "phi3"):
+        monkeypatch.setattr(model.base.config, "model_type", other, raising=False)
+        assert not llama_layers.supports(model), other
+    monkeypatch.undo()
+    assert llama_layers.supports(model)
 
 
 def test_eos_stop_strings_and_reply_format_as_the_reference(model, tokenizer):
@@ -196,15 +229,15 @@ def test_bf16_base_agrees_with_the_reference(lora_model, tokenizer):
 @pytest.mark.parametrize("top_p, expected", [(1.0, [0.5, 0.25, 0.15, 0.1, 0.0]),  # exponential race
                                              (0.7, [0.5 / 0.75, 0.25 / 0.75, 0, 0, 0])])  # nucleus {0, 1}
 def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
-    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", (3,))  # the nucleus search and its full-sort fallback
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (3,))  # the nucleus search and its full-sort fallback
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     rows = 8000
     logits = probs.clamp(min=1e-30).log().expand(rows, -1)
-    tokens = decode_mod.sample(logits, torch.ones(rows), torch.full((rows,), top_p), torch.Generator().manual_seed(0))
+    tokens = sampling.sample(logits, torch.ones(rows), torch.full((rows,), top_p), torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=5).float() / rows
     assert torch.allclose(freq, torch.tensor(expected), atol=0.02), freq
     if top_p < 1:  # a nucleus wider than the candidates falls back to the full sort
-        wide = decode_mod.sample(logits, torch.ones(rows), torch.full((rows,), 0.95), torch.Generator().manual_seed(0))
+        wide = sampling.sample(logits, torch.ones(rows), torch.full((rows,), 0.95), torch.Generator().manual_seed(0))
         freq = torch.bincount(wide, minlength=5).float() / rows
         assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1, 0]) / 1.0, atol=0.02), freq
 
@@ -212,12 +245,12 @@ def test_sampling_follows_the_distribution(top_p, expected, monkeypatch):
 def test_sampling_mixes_narrow_and_wide_nuclei(monkeypatch):
     """Rows whose nucleus fits the first candidates, the second, or needs the full sort, in
     one batch: each follows its own distribution."""
-    monkeypatch.setattr(decode_mod, "NUCLEUS_CANDIDATES", (1, 3))
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (1, 3))
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     rows = 9000
     logits = probs.clamp(min=1e-30).log().expand(rows, -1)
     top_p = torch.tensor([0.4, 0.7, 0.95]).repeat(rows // 3)  # nucleus of 1, 2 and 4 tokens
-    tokens = decode_mod.sample(logits, torch.ones(rows), top_p, torch.Generator().manual_seed(0))
+    tokens = sampling.sample(logits, torch.ones(rows), top_p, torch.Generator().manual_seed(0))
     first, narrow, wide = (torch.bincount(tokens[i::3], minlength=5).float() / (rows // 3) for i in range(3))
     assert first.tolist() == [1.0, 0, 0, 0, 0]
     assert torch.allclose(narrow, torch.tensor([0.5 / 0.75, 0.25 / 0.75, 0, 0, 0]), atol=0.03), narrow
@@ -246,13 +279,13 @@ def test_rms_norm_fast_path_is_the_module(dtype):
     norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(96, generator=g) * 0.3 + 1)
-    fast = decode_mod._norm(norm)
+    fast = llama_layers._norm(norm)
     assert fast is not norm
     for scale in (0.01, 1.0, 30.0):
         for shape in ((16, 1, 96), (3, 7, 96), (5, 96)):
             h = (torch.randn(shape, generator=g) * scale).to(dtype)
             assert torch.equal(fast(h), norm(h))
-    assert decode_mod._norm(torch.nn.LayerNorm(96)).__class__ is torch.nn.LayerNorm  # others: the module
+    assert llama_layers._norm(torch.nn.LayerNorm(96)).__class__ is torch.nn.LayerNorm  # others: the module
 
 
 def _digest_requests(tokenizer, temperature: float) -> list[GenerationRequest]:

@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
-from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.generation import generate
 from multilora.model import LoraSpec, MultiLoraModel, load_base_model
 from multilora.peft_io import load_adapter, save_adapter
+from multilora.sampling import GenerationRequest, SamplingParams
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
 SPEC = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from multilora import packed
-from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.generation import generate
 from multilora.layer import MultiLoraLinear, Routing, packed_group
+from multilora.sampling import GenerationRequest, SamplingParams
 from test_decode import SPEC
 
 needs_packing = pytest.mark.skipif(not packed.supported(torch.zeros(1, dtype=torch.bfloat16)),

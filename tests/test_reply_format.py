@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 
-from multilora.generation import GenerationRequest, SamplingParams, generate
+from multilora.generation import generate
 from multilora.logprobs import pack, token_logprobs
 from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat, supplied_mask
+from multilora.sampling import GenerationRequest, SamplingParams
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from multilora import llama_layers
 from multilora import logprobs as logprobs_mod
 from multilora.logprobs import pack, token_logprobs
 from multilora.model import LoraSpec, MultiLoraModel
@@ -148,10 +149,8 @@ def test_causal_pass_is_the_models_forward(case, lora_model):
     """Rows sharing no prompt take one causal pass through the layers (`_causal_logprobs`):
     right-padded rows of different lengths, supplied tokens, grouped key/value heads; the
     same log-probs and gradients as the model's own forward with its padding mask."""
-    from multilora import decode
-
     model = _model(lora_model) if case == "tiny" else _gqa_model(lora_model, torch.bfloat16 if "bf16" in case else torch.float32)
-    assert decode.supports(model)
+    assert llama_layers.supports(model)
     rows = [("a", tuple(range(5, 17)), (50, 51, 52, 53)), ("b", tuple(range(30, 37)), (60,)),
             ("a", tuple(range(40, 49)), (61, 62, 63, 64, 65, 66)), ("b", (7, 8), (70, 71))]
     supplied = [(), (), (False, True, True, False, False, False), ()]
