@@ -51,6 +51,29 @@ def test_validate_code_f():
     assert not validate("code_f", DOUBLE, inputs=[]).valid
 
 
+@pytest.mark.parametrize("inputs, same", [
+    (["[1,2]", "[1, 2]"], (0, 1)),  # one list, written twice
+    (["1", "[1]", "1.0"], (0, 2)),  # equal by value, as answers are compared
+    (["[3, 1], k=2", "[1]", "[3,1],k=2"], (0, 2)),
+    (["{'a': 1, 'b': 2}", "{'b': 2, 'a': 1}"], (0, 1)),
+])
+def test_validate_code_f_inputs_are_distinct_by_value(inputs, same):
+    """code_f's inputs must be distinct arguments, not distinct texts: a teacher showing
+    `[1,2]` and `[1, 2]` shows one input twice."""
+    program = "def f(x, k=0):\n    return x"
+    result = validate("code_f", program, inputs=inputs)
+    assert result == Validation(False, f"inputs {same[0]} and {same[1]} are the same arguments"), result
+
+
+def test_validate_code_f_distinct_arguments_stay_valid():
+    """Arguments that differ in structure are different inputs, however alike their text."""
+    program = "def f(*args, **kwargs):\n    return [args, kwargs]"
+    result = validate("code_f", program, inputs=["1, 2", "(1, 2)", "[1, 2]", "x=1", "y=1"])
+    assert result.valid, result
+    assert result.outputs == ["[(1, 2), {}]", "[((1, 2),), {}]", "[([1, 2],), {}]", "[(), {'x': 1}]",
+                              "[(), {'y': 1}]"]
+
+
 def test_check_code_o_by_value():
     assert check("code_o", SORT, "[1, 2]", output="[1, 2]") == Verdict(True)
     assert check("code_o", SORT, " [1.0, 2] ", output="[1, 2]").correct

@@ -93,6 +93,31 @@ def build_call(arguments: str) -> str | None:
         return None
 
 
+def _argument_values(arguments: str) -> tuple[tuple, tuple] | None:
+    """The values `f(<arguments>)` is called with: (positional values, (name, value) pairs of
+    the keyword arguments by name), or None unless every argument is a literal (`build_call`).
+    `"[1,2], k=3"` and `"[1, 2], k=3"` give the same values, `"1, 2"` and `"(1, 2)"` do not."""
+    call = build_call(arguments)
+    tree = screening.parse(call, mode="eval") if call is not None else None
+    if tree is None:
+        return None
+    try:
+        return (tuple(ast.literal_eval(a) for a in tree.body.args),
+                tuple(sorted(((k.arg, ast.literal_eval(k.value)) for k in tree.body.keywords), key=lambda kv: kv[0])))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _repeated_input(values: list[tuple[tuple, tuple]]) -> tuple[int, int] | None:
+    """The first pair `(i, j)`, i < j, of `_argument_values` equal by value (as answers are
+    compared: 1 and 1.0 are one value), or None when all are distinct."""
+    for j in range(len(values)):
+        for i in range(j):
+            if equal_values(values[i], values[j]) and equal_values(values[j], values[i]):
+                return i, j
+    return None
+
+
 def defines_f(program: str) -> bool:
     """True if the program has exactly one top-level `def f`."""
     tree = screening.parse(program) if isinstance(program, str) else None
@@ -145,8 +170,8 @@ def validate(task_type: str, program: str, input: str | None = None,
              memory_mb: int = 512) -> Validation:
     """Checks a proposed task: screening, a single `f`, and two deterministic isolated runs.
 
-    code_i / code_o take `input` and return `output`; code_f takes `inputs` (>= 1) and
-    returns `outputs`.
+    code_i / code_o take `input` and return `output`; code_f takes `inputs` (>= 1, distinct
+    by value: `"[1,2]"` and `"[1, 2]"` are one input shown twice) and returns `outputs`.
     """
     if task_type not in TASK_TYPES:
         return Validation(False, f"unknown task type {task_type!r}")
@@ -156,12 +181,16 @@ def validate(task_type: str, program: str, input: str | None = None,
     if task_type == "code_f":
         if not isinstance(inputs, list) or not inputs:
             return Validation(False, "code_f needs a non-empty list of inputs")
+        values = [_argument_values(text) for text in inputs]
+        bad = next((index for index, v in enumerate(values) if v is None), None)
+        if bad is not None:
+            return Validation(False, f"input {bad} is not a literal argument list")
+        same = _repeated_input(values)
+        if same is not None:
+            return Validation(False, f"inputs {same[0]} and {same[1]} are the same arguments")
         outputs = []
         for index, text in enumerate(inputs):
-            call = build_call(text)
-            if call is None:
-                return Validation(False, f"input {index} is not a literal argument list")
-            output, reason = _gold_output(program, call, timeout_s, memory_mb)
+            output, reason = _gold_output(program, build_call(text), timeout_s, memory_mb)
             if reason:
                 return Validation(False, f"input {index}: {reason}")
             outputs.append(output)
