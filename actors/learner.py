@@ -8,8 +8,11 @@ server, so new weights reach it through the object store only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import uuid
+from collections import defaultdict
 
 import ray
 import torch
@@ -50,6 +53,7 @@ class LearnerCore:
             from multilora.deepspeed_strategy import DeepSpeedPolicyTrainer
 
             self.trainer = DeepSpeedPolicyTrainer(self.model, settings, pad_id, deepspeed)
+        self.version = 0  # updates applied: the version of the adapters after the last one
 
     def init_members(self, names: list[str], seed: int) -> None:
         """Fresh PEFT-initialised adapters, seeded per member for reproducibility."""
@@ -60,8 +64,32 @@ class LearnerCore:
     def export_adapters(self, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         return {n: self.model.export_adapter(n) for n in (names or sorted(self.model.slot_of))}
 
-    def update(self, samples: list[TrainSample]) -> dict[str, dict[str, float]]:
-        return self.trainer.update(samples)
+    def update(self, samples: list[TrainSample], max_staleness: int = 0) -> dict[str, dict[str, float]]:
+        """One update on `samples`, then the version moves on. A sample sampled more than
+        `max_staleness` versions ago is refused, never trained on, and counted (`refused`);
+        a sample of the current version trains on-policy (its behaviour log-probs dropped:
+        its importance weight is 1), an older one with its truncated importance weight.
+        Per adapter, besides the trainer's stats: `staleness` (the mean lag of its rows),
+        `refused`, and `seconds` (the whole update's wall clock)."""
+        start = time.perf_counter()
+        lag: dict[str, list[int]] = defaultdict(list)
+        refused: dict[str, int] = defaultdict(int)
+        kept = []
+        for s in samples:
+            behind = self.version - s.version
+            if behind > max_staleness or behind < 0:
+                refused[s.adapter] += 1
+                continue
+            lag[s.adapter].append(behind)
+            kept.append(s if behind else dataclasses.replace(s, behaviour_logprobs=()))
+        stats = self.trainer.update(kept)
+        self.version += 1
+        seconds = time.perf_counter() - start
+        for name in set(stats) | set(refused):
+            row = stats.setdefault(name, {})
+            row.update({"staleness": sum(lag[name]) / len(lag[name]) if lag[name] else None,
+                        "refused": float(refused[name]), "seconds": seconds})
+        return stats
 
     def state_dict(self) -> dict:
         """Adapters in slot order and each one's AdamW state.
@@ -70,10 +98,11 @@ class LearnerCore:
         hold the adapters only, and a resume restarts the moments (logged)."""
         names = sorted(self.model.slot_of, key=self.model.slot_of.get)
         optimizers = getattr(self.trainer, "optimizers", None)
-        return {"adapters": {n: self.model.export_adapter(n) for n in names},
+        return {"version": self.version, "adapters": {n: self.model.export_adapter(n) for n in names},
                 "optimizers": {n: _to_cpu(optimizers[n].state_dict()) for n in names} if optimizers else {}}
 
     def load_state_dict(self, state: dict) -> None:
+        self.version = state.get("version", 0)
         for name in list(self.model.slot_of):
             self.model.remove_adapter(name)
             self.trainer.drop_optimizer(name)
@@ -134,8 +163,8 @@ class Learner:
         model = self.core.model
         return pack({n: model.export_adapter(n, copy=False) for n in sorted(model.slot_of)})
 
-    def update(self, samples: list[TrainSample]) -> dict[str, dict[str, float]]:
-        return self.core.update(samples)
+    def update(self, samples: list[TrainSample], max_staleness: int = 0) -> dict[str, dict[str, float]]:
+        return self.core.update(samples, max_staleness)
 
     def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict, seed: int) -> None:
         self.core.spawn_child(dead, child, parents, operator, params, seed)

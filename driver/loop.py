@@ -67,50 +67,98 @@ class StepContext:
     last: str = "valid=- novel=- copies=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
     low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
     summaries: list[dict] = field(default_factory=list)  # record_step's summary of every step this process ran
-    coverage: set[str] = field(default_factory=set)  # ast_hash of every valid program the teachers wrote
+    coverage: set[str] = field(default_factory=set)  # ast_hash of every novel valid program the teachers wrote
+    version: int = 0  # updates the learner has applied: the version of the adapters the server holds
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, seconds: dict[str, float] | None = None) -> Iterator[None]:
+        """Time the phase into `seconds` (default: this step's `self.seconds`)."""
         self.bar.set_postfix_str(f"phase={name} {self.last}", refresh=True)
         set_position(phase=name)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] = time.perf_counter() - start
+            (self.seconds if seconds is None else seconds)[name] = time.perf_counter() - start
 
 
 # ---- the step --------------------------------------------------------------------------
-def train_step(step: int, ctx: StepContext) -> dict[str, float]:
+@dataclass
+class Generated:
+    """Phases 1-3 of one step: its matches, proposals, valid tasks and rollouts, scored, not
+    yet trained on. `version`: the learner version (updates applied) of the adapters that
+    sampled them. `seconds`: the time of its match, propose and solve phases."""
+
+    step: int
+    version: int
+    matches: dict[str, str]
+    proposals: list[Proposal]
+    tasks: list[Task]
+    rollouts: list[Rollout]
+    rates: list[float]  # rho(t, s, p) of each valid task, in `tasks` order
+    teacher_rewards: list[float]
+    seconds: dict[str, float]
+
+    @property
+    def solve_rates(self) -> dict[int, float]:
+        """The solve rates keyed by id(task), as the records read them."""
+        return {id(t): r for t, r in zip(self.tasks, self.rates)}
+
+
+def train_step(step: int, ctx: StepContext, pending: Generated | None = None) -> tuple[dict[str, float],
+                                                                                     Generated | None]:
+    """One step: generate (match, propose, solve) unless `pending` holds this step's samples
+    already, update, evolve. With `pipeline.max_staleness` >= 1 the next step's generation
+    runs while the learner trains on this one's (`overlap`), and is returned for the next
+    call; otherwise the second value is None."""
     cfg, actors = ctx.cfg, ctx.actors
     ctx.seconds = {}
     set_position(step=step)
-    with ctx.phase("match"):
-        matches: dict[str, str] = ray.get(actors.population.match.remote())
-
-    with ctx.phase("propose"):
-        proposals = propose(ctx, list(matches), step)
-    tasks = [p.task for p in proposals if p.task is not None]
-
-    with ctx.phase("solve"):
-        rollouts = solve(ctx, tasks, [matches[t.teacher] for t in tasks])
-    solve_rates = task_solve_rates(tasks, rollouts)
-
+    start = time.perf_counter()
+    gen = pending if pending is not None else generate(ctx, step)
+    ctx.seconds.update(gen.seconds)
+    overlap = cfg.pipeline.max_staleness >= 1 and step < cfg.run.steps
     with ctx.phase("update"):
-        teacher_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
-        stats, signal = update(ctx, proposals, teacher_rewards, rollouts)
-        # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
-        ray.get(actors.population.record.remote(
-            [(p.teacher, matches[p.teacher], solve_rates[id(p.task)] if p.task is not None else None)
-             for p in proposals]))
-        for t in tasks:
-            ctx.buffer.add(t)
+        update_ref, signal, dropped = submit_update(ctx, gen)
+        following = generate(ctx, step + 1) if overlap else None  # samples from the adapters before this update
+        stats = ray.get(update_ref)
+        ctx.version += 1
+        sync_adapters(actors)
+    learner_seconds = max((s.get("seconds", 0.0) for s in stats.values()), default=0.0)
+    if following is not None:  # the learner's own time, not the wait that included the generation
+        ctx.seconds["update"] = learner_seconds
+        ctx.seconds["overlap"] = min(learner_seconds, sum(following.seconds.values()))
 
     with ctx.phase("evolve"):
         events = evolve(ctx, step) if cfg.population.evolve_every and step % cfg.population.evolve_every == 0 else []
+    wall = time.perf_counter() - start
+    summary = record_step(ctx, step, gen, stats, signal, events, dropped, wall if overlap else None)
+    return summary, following
 
-    return record_step(ctx, step, matches, proposals, teacher_rewards, tasks, solve_rates, rollouts, stats, signal,
-                       events)
+
+def generate(ctx: StepContext, step: int) -> Generated:
+    """Match, propose, solve for `step`; its games are recorded (ratings) and its valid tasks
+    enter the buffer before the next step's matches and proposals are made."""
+    actors, seconds = ctx.actors, {}
+    with ctx.phase("match", seconds):
+        matches: dict[str, str] = ray.get(actors.population.match.remote())
+
+    with ctx.phase("propose", seconds):
+        proposals = propose(ctx, list(matches), step)
+    tasks = [p.task for p in proposals if p.task is not None]
+
+    with ctx.phase("solve", seconds):
+        rollouts = solve(ctx, tasks, [matches[t.teacher] for t in tasks])
+    solve_rates = task_solve_rates(tasks, rollouts)
+    teacher_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
+    # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
+    ray.get(actors.population.record.remote(
+        [(p.teacher, matches[p.teacher], solve_rates[id(p.task)] if p.task is not None else None)
+         for p in proposals]))
+    for t in tasks:
+        ctx.buffer.add(t)
+    return Generated(step, ctx.version, matches, proposals, tasks, rollouts, [solve_rates[id(t)] for t in tasks],
+                     teacher_rewards, seconds)
 
 
 # ---- phases ----------------------------------------------------------------------------
@@ -182,7 +230,8 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
         source = ("seed" if refs[0].teacher == "seed" else "proposal") if task_type == "code_f" else "proposal"
         proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
                                   tuple(p.inputs), p.message, valid, reason, task, source, c.supplied, copies[i],
-                                  novelty.exact_copy(task_type, p.program, refs) if p.error is None else False))
+                                  novelty.exact_copy(task_type, p.program, refs) if p.error is None else False,
+                                  c.logprobs))
     return proposals
 
 
@@ -208,7 +257,7 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
         correct = bool(verdict.get("correct"))
         malformed = not correct and verdict.get("reason") == "malformed"
         rollouts.append(Rollout(student, i, prompt_ids, c.token_ids, answer, correct, malformed,
-                                student_reward(correct, malformed), c.supplied))
+                                student_reward(correct, malformed), c.supplied, c.logprobs))
     return rollouts
 
 
@@ -228,28 +277,32 @@ def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> dict[int, fl
     return {id(task): float(np.mean(correct[i])) if correct[i] else 0.0 for i, task in enumerate(tasks)}
 
 
-def update(ctx: StepContext, proposals: list[Proposal], teacher_rewards: list[float],
-           rollouts: list[Rollout]) -> tuple[dict[str, dict[str, float]], SignalReport]:
-    """Group-normalised advantages, one learner step, then adapter sync via the object store.
+def submit_update(ctx: StepContext, gen: Generated) -> tuple[ray.ObjectRef, SignalReport, int]:
+    """Group-normalised advantages and the learner's update, submitted (not awaited).
 
-    Also returns the step's signal shares: the fraction of training rows (per member, per role,
-    overall) whose advantage is non-zero, the only rows that move an adapter."""
-    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r, p.supplied)
-            for p, r in zip(proposals, teacher_rewards)]
-    tasks = [p.task for p in proposals if p.task is not None]
+    Also returns the step's signal shares (the fraction of training rows, per member, per
+    role, overall, whose advantage is non-zero: the only rows that move an adapter) and the
+    rows dropped because their member was replaced since they were sampled."""
+    proposals, rollouts, tasks = gen.proposals, gen.rollouts, gen.tasks
+    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r, p.supplied, p.logprobs)
+            for p, r in zip(proposals, gen.teacher_rewards)]
     rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward,
-              r.supplied) for r in rollouts]
+              r.supplied, r.logprobs) for r in rollouts]
     advantages = group_advantages([row[5] for row in rows], [row[:3] for row in rows])
     signal = signal_report([row[0] for row in rows], [row[1] for row in rows], advantages,
                            valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
                            solved_rollouts=sum(r.correct for r in rollouts),
                            malformed_rollouts=sum(r.malformed for r in rollouts))
-    samples = [TrainSample(adapter, prompt, completion, adv, supplied)  # supplied tokens: context only
-               for (adapter, _, _, prompt, completion, _, supplied), adv in zip(rows, advantages)]
-    actors = ctx.actors
-    stats = ray.get(actors.learner.update.remote(samples))
-    sync_adapters(actors)
-    return stats, signal
+    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs)
+               for (adapter, _, _, prompt, completion, _, supplied, logprobs), adv in zip(rows, advantages)]
+    dropped = 0
+    if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
+        members = ray.get(ctx.actors.population.members.remote())
+        alive = set(members["teachers"]) | set(members["students"])
+        kept = [s for s in samples if s.adapter in alive]
+        dropped, samples = len(samples) - len(kept), kept
+    ref = ctx.actors.learner.update.remote(samples, ctx.cfg.pipeline.max_staleness)
+    return ref, signal, dropped
 
 
 def sync_adapters(actors: Actors) -> None:
@@ -320,14 +373,22 @@ def copy_rate(proposals: list[Proposal]) -> float | None:
     return float(np.mean([p.copy_of is not None for p in writes])) if writes else None
 
 
-def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards, tasks, solve_rates,
-                rollouts, stats, signal: SignalReport, events) -> dict[str, float]:
+def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, dict[str, float]],
+                signal: SignalReport, events, dropped: int, wall: float | None) -> dict[str, float]:
+    """Write the step's rows (metrics, ratings, tasks, lineage) and return its summary.
+    `dropped`: rows of replaced members left out of the update; `wall`: the step's wall-clock
+    seconds when its phases overlapped another step's (None: the phases' sum)."""
+    matches, proposals, teacher_rewards = gen.matches, gen.proposals, gen.teacher_rewards
+    tasks, solve_rates, rollouts = gen.tasks, gen.solve_rates, gen.rollouts
     ratings = ray.get(ctx.actors.population.ratings.remote())
     members = ray.get(ctx.actors.population.members.remote())
     teachers, students = members["teachers"], members["students"]
     single = ctx.cfg.population.mode == "single"
     times = {f"time/{k}": ctx.seconds.get(k, 0.0) for k in PHASES}
-    times["time/step"] = sum(ctx.seconds.values())
+    times["time/step"] = wall if wall is not None else sum(times.values())
+    times["time/overlap"] = ctx.seconds.get("overlap", 0.0)  # seconds the learner and the generation both ran
+    # the learner refuses (and counts) samples older than pipeline.max_staleness versions
+    dropped += int(sum(s.get("refused", 0.0) for s in stats.values()))
     by_teacher, by_student = defaultdict(list), defaultdict(list)
     for p, r in zip(proposals, teacher_rewards):
         by_teacher[p.teacher].append((p, r))
@@ -359,6 +420,10 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
             "learner/loss": stats.get(m, {}).get("loss"), "learner/grad_norm": stats.get(m, {}).get("grad_norm"),
             "learner/update_norm": stats.get(m, {}).get("update_norm"),
             "learner/signal_share": signal.by_member.get(m),
+            "learner/staleness": stats.get(m, {}).get("staleness"),
+            "learner/is_weight_mean": stats.get(m, {}).get("is_weight_mean"),
+            "learner/is_truncated_frac": stats.get(m, {}).get("is_truncated_frac"),
+            "pipeline/dropped_samples": dropped,
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
             "population/conservative": rating.get("conservative"), "population/coverage": len(ctx.coverage),
             **times,
@@ -404,7 +469,7 @@ def record_step(ctx: StepContext, step: int, matches, proposals, teacher_rewards
         **{f"signal_rows_{role}": signal.rows_by_role.get(role, 0) for role in ("teacher", "student")},
         **{f"signal_nonzero_{role}": round(signal.by_role.get(role, 0.0) * signal.rows_by_role.get(role, 0))
            for role in ("teacher", "student")},
-        "tasks": len(tasks), "replaced": len(events), **times,
+        "tasks": len(tasks), "replaced": len(events), "dropped_samples": dropped, **times,
     }
     ctx.summaries.append(summary)
     ctx.low_signal.observe(step, signal)
@@ -446,8 +511,10 @@ def save_adapters(ctx: StepContext) -> None:
         save_adapter(ctx.run.adapter_dir(member), state, ctx.actors.spec, ctx.cfg.model.path)
 
 
-def save_checkpoint(ctx: StepContext, step: int) -> float:
-    """Write checkpoint/ for the state after `step`; returns the seconds it took."""
+def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = None) -> float:
+    """Write checkpoint/ for the state after `step`; returns the seconds it took. `pending`:
+    the next step's samples, generated while step `step` trained (pipeline.max_staleness >= 1);
+    no call is in flight while this runs, so the checkpoint is a drained boundary."""
     start = time.perf_counter()
     a = ctx.actors
     learner, inference, population = ray.get(
@@ -455,15 +522,16 @@ def save_checkpoint(ctx: StepContext, step: int) -> float:
     driver = {
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
         "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
-        "coverage": sorted(ctx.coverage),
+        "coverage": sorted(ctx.coverage), "version": ctx.version, "pending": pending,
     }
     checkpoint.save(ctx.run.path / "checkpoint", step, {
         "learner": learner, "inference": inference, "population": population, "driver": driver})
     return time.perf_counter() - start
 
 
-def restore_checkpoint(ctx: StepContext) -> int:
-    """Bring every actor and the driver back to the last checkpoint; returns its step."""
+def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
+    """Bring every actor and the driver back to the last checkpoint; returns its step and the
+    next step's samples when they were generated before it was written."""
     step, parts = checkpoint.load(checkpoint.find(ctx.run.path))
     a = ctx.actors
     ray.get([a.learner.load_state_dict.remote(parts["learner"]),
@@ -478,7 +546,8 @@ def restore_checkpoint(ctx: StepContext) -> int:
     torch.set_rng_state(d["torch_random"])
     ctx.run.load_state_dict(d["tables"])
     ctx.coverage = set(d.get("coverage", []))  # checkpoints from before coverage: counted from here on
-    return step
+    ctx.version = d.get("version", 0)
+    return step, d.get("pending")
 
 
 def start_run(cfg: Config, actors: Actors, ctx_factory) -> StepContext:
@@ -514,9 +583,10 @@ def train(cfg: Config, resume: Path | None = None,
         return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar, trackers=trackers)
 
     try:
+        pending: Generated | None = None  # the next step's samples, generated during the last update
         if resume:
             ctx = make_ctx(TaskBuffer({t: [] for t in cfg.tasks.types}, cfg.tasks.buffer_size))
-            step = restore_checkpoint(ctx)
+            step, pending = restore_checkpoint(ctx)
             log.info("resumed %s at step %d", run.path, step)
         else:
             ctx = start_run(cfg, actors, make_ctx)
@@ -526,7 +596,7 @@ def train(cfg: Config, resume: Path | None = None,
         recoveries = 0
         while step < cfg.run.steps:
             try:
-                s = train_step(step + 1, ctx)
+                s, following = train_step(step + 1, ctx, pending)
                 if actors.restarted():  # a restart between two calls loses state silently
                     raise ActorRestarted("an actor was restarted during the step")
             except (RayActorError, RayTaskError, ActorRestarted) as e:
@@ -541,10 +611,10 @@ def train(cfg: Config, resume: Path | None = None,
                             cfg.run.max_recoveries)
                 stop_actors(actors)
                 actors = ctx.actors = create_actors(cfg)
-                step = restore_checkpoint(ctx)
+                step, pending = restore_checkpoint(ctx)
                 bar.n = step
                 continue
-            step += 1
+            step, pending = step + 1, following
             bar.update(1)
             ctx.last = (f"valid={s['valid_rate']:.2f} novel={s['novel_valid_rate']:.2f} copies={s['copy_rate']:.2f} "
                         f"solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f} "
@@ -557,7 +627,7 @@ def train(cfg: Config, resume: Path | None = None,
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))
             every = cfg.run.checkpoint_every
             if step == cfg.run.steps or (every and step % every == 0):
-                log.info("checkpoint at step %d written in %.2fs", step, save_checkpoint(ctx, step))
+                log.info("checkpoint at step %d written in %.2fs", step, save_checkpoint(ctx, step, pending))
             if on_step is not None:
                 on_step(step, ctx)
         bar.close()

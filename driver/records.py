@@ -49,6 +49,9 @@ class Proposal:
     # `exact_copy`: the stricter rule (same source after ast.unparse)
     copy_of: str | None = None
     exact_copy: bool = False
+    # log pi_behaviour of each completion token under the adapter version that sampled it
+    # (the engine's raw-logit log-probs; empty when the engine did not report them)
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,4 @@ class Rollout:
     malformed: bool
     reward: float
     supplied: tuple[bool, ...] = ()  # completion tokens the reply format supplied (not trained on)
+    logprobs: tuple[float, ...] = ()  # as Proposal.logprobs

@@ -126,6 +126,7 @@ def create_actors(cfg: Config) -> Actors:
     settings = TrainerSettings(
         lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
         max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
+        is_cap=cfg.learner.is_cap,
     )
     deepspeed = None
     if cfg.learner.strategy == "deepspeed":

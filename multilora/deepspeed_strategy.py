@@ -43,7 +43,7 @@ import torch
 
 from multilora.logprobs import clipped_pg_loss, token_logprobs
 from multilora.model import MultiLoraModel
-from multilora.trainer import TrainerSettings, TrainSample, micro_batches, pack_samples
+from multilora.trainer import TrainerSettings, TrainSample, importance_weights, micro_batches, pack_samples
 
 
 def require_deepspeed():
@@ -187,6 +187,9 @@ class DeepSpeedPolicyTrainer:
                 old_logp = token_logprobs(self.model, packed, adapters)
             logp = token_logprobs(self.model, packed, adapters)
             adv = torch.tensor([mine[i].advantage for i in idx], dtype=logp.dtype, device=device)
+            # rows sampled before the last update: truncated importance weights, as the torch trainer
+            w, _ = importance_weights(mine, idx, old_logp, packed.completion_mask, self.settings.is_cap)
+            adv = adv if w is None else adv[:, None] * w
             per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
             weights = torch.tensor([self.world / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=device)
             self.engine.backward((per_seq * weights).sum() + anchor)

@@ -5,8 +5,12 @@ Loss (PPO clip, Schulman et al. 2017; as in TRL's GRPOTrainer and AZR's REINFORC
     r_t   = exp(log pi(y_t | x, y_<t) - log pi_old(y_t | x, y_<t))
     L_seq = -1/|y| * sum_t min(r_t * A, clip(r_t, 1 - eps, 1 + eps) * A)
 
-`A` is the sequence's advantage. The caller averages L_seq over each adapter's rows, so
-every adapter gets a gradient of the same scale whatever its share of the batch.
+`A` is the sequence's advantage (per token, times the truncated importance weight, for a
+row sampled before the adapter's last update: `trainer.importance_weights`). The caller
+averages L_seq over each adapter's rows, so every adapter gets a gradient of the same scale
+whatever its share of the batch. In the first pass pi_old is the pass's own log-probs,
+detached, so r_t = 1 and the clip never acts: with one epoch (`learner.epochs: 1`, the
+default) this is REINFORCE with a group baseline; the clip acts from the second epoch.
 """
 
 from __future__ import annotations
@@ -264,9 +268,11 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
 
 def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     completion_mask: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence loss L_seq (see module docstring) and the clipped-token fraction."""
+    """Per-sequence loss L_seq (see module docstring) and the clipped-token fraction.
+    `advantages`: one per row, or one per token ([batch, T-1]: a row's advantage times its
+    tokens' importance weights, `trainer.importance_weights`)."""
     ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped) * completion_mask

@@ -44,6 +44,11 @@ class TrainSample:
     completion_ids: tuple[int, ...]
     advantage: float
     supplied: tuple[bool, ...] = ()
+    version: int = 0  # the learner version (updates applied) of the adapter that sampled it
+    # log pi_behaviour(token t) under that version (the engine's raw-logit log-probs): given
+    # for a row sampled before the adapter's last update, it is importance-corrected
+    # (`importance_weights`); empty for a row of the current version (its weight is 1)
+    behaviour_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,44 @@ class TrainerSettings:
     max_grad_norm: float = 1.0
     micro_batch: int = 8
     epochs: int = 1
+    is_cap: float = 2.0  # truncation of the per-token importance weight (stale rows only)
+
+
+def importance_weights(samples: Sequence[TrainSample], idx: Sequence[int], logp: torch.Tensor,
+                       mask: torch.Tensor, cap: float) -> tuple[torch.Tensor | None, list[tuple[float, float, float]]]:
+    """Truncated importance weights of the rows `idx` (as `pack_samples` lays them out), and
+    per row (sum of the weights over its loss tokens, its loss tokens, the truncated ones).
+
+        w_t = min(pi_learner(y_t) / pi_behaviour(y_t), cap)
+
+    (truncated importance sampling, as veRL's and slime's TIS), with pi_learner the log-probs
+    this update computes in its first pass (`logp`, detached) and pi_behaviour the
+    `behaviour_logprobs` of the engine that sampled the row. Both are the policy's own
+    distribution, from the raw logits (no temperature, top-p or reply-format masks): the
+    distribution the engine actually sampled from is that policy transformed by the
+    sampling settings, the same transformation for both versions, so the ratio of the raw
+    policies is the lag between the two versions that the weight corrects, and for a row
+    of the current version it is 1 up to the engines' rounding (tests). The gradient is
+    then -mean_rows 1/|y| sum_t w_t A grad log pi(y_t) (w_t a constant). Rows without
+    behaviour log-probs get w = 1; None when no row of `idx` has them."""
+    rows = [samples[i].behaviour_logprobs for i in idx]
+    if not any(rows):
+        return None, [(0.0, 0.0, 0.0)] * len(idx)
+    behaviour = torch.zeros_like(logp)
+    known = torch.zeros_like(mask)
+    for row, (i, b) in enumerate(zip(idx, rows)):
+        if b:
+            start = len(samples[i].prompt_ids) - 1
+            if len(b) != len(samples[i].completion_ids):
+                raise ValueError(f"row {i}: {len(b)} behaviour log-probs for {len(samples[i].completion_ids)} tokens")
+            behaviour[row, start:start + len(b)] = torch.tensor(b, dtype=logp.dtype)
+            known[row, start:start + len(b)] = 1
+    ratio = torch.exp((logp.detach() - behaviour) * known)  # 1 where unknown
+    weights = ratio.clamp(max=cap)
+    counted = mask * known
+    per_row = list(zip((weights * counted).sum(dim=1).tolist(), counted.sum(dim=1).tolist(),
+                       ((ratio > cap).float() * counted).sum(dim=1).tolist()))
+    return weights, per_row
 
 
 def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
@@ -142,7 +185,8 @@ class PolicyTrainer:
         optimizer steps, 0.0 when none of its rows carried signal; `clip_frac`: the share of
         its completion tokens with signal, over the passes after the first, whose ratio left
         [1 - eps, 1 + eps] in its advantage's direction, where the clip zeroes the gradient;
-        0.0 with one epoch)."""
+        0.0 with one epoch; `is_weight_mean`, `is_truncated_frac` over the loss tokens of its
+        rows with signal and behaviour log-probs, when it had any: `importance_weights`)."""
         samples = [s for s in samples if s.completion_ids]
         if not samples:
             return {}
@@ -166,6 +210,8 @@ class PolicyTrainer:
         # pi_old: the first pass's own log-probs, detached (ratio exactly 1 in that pass),
         # kept per micro-batch for the later passes (same micro-batches, same rows)
         old: list[torch.Tensor] = []
+        is_w: list[torch.Tensor | None] = []  # importance weights per micro-batch (None: all rows fresh)
+        weighted: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # weight sum, tokens, truncated
         clipped: dict[str, float] = defaultdict(float)  # clip_frac's numerator and denominator
         counted: dict[str, float] = defaultdict(float)
         # each adapter's gradient is one flat tensor laid out like its slot buffer; its
@@ -190,7 +236,13 @@ class PolicyTrainer:
                         old.append(logp.detach())
                     adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
                     mask = packed.completion_mask.to(logp.device)
-                    per_seq, _ = clipped_pg_loss(logp, old[k], adv, mask, self.settings.clip_eps)
+                    if epoch == 0:  # pi_old / pi_behaviour: fixed over the passes (decoupled from the clip)
+                        w, per_row = importance_weights(samples, idx, old[k], mask, self.settings.is_cap)
+                        is_w.append(w)
+                        for (total, tokens, cut), a in zip(per_row, adapters):
+                            weighted[a] = [x + y for x, y in zip(weighted[a], (total, tokens, cut))]
+                    token_adv = adv if is_w[k] is None else adv[:, None] * is_w[k]
+                    per_seq, _ = clipped_pg_loss(logp, old[k], token_adv, mask, self.settings.clip_eps)
                     if epoch:
                         self._count_clipped(logp.detach() - old[k], adv, mask, adapters, clipped, counted)
                     # mean over each adapter's rows, summed over adapters: every adapter's
@@ -219,6 +271,10 @@ class PolicyTrainer:
             allocator.release_free_memory(sum(flat.numel() * flat.element_size() for flat in flats.values()))
         for name, n in counted.items():
             stats[name]["clip_frac"] = clipped[name] / n if n else 0.0
+        for name, (total, tokens, cut) in weighted.items():
+            if tokens:
+                stats[name]["is_weight_mean"] = total / tokens
+                stats[name]["is_truncated_frac"] = cut / tokens
         return stats
 
     def _count_clipped(self, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, adapters: list[str],

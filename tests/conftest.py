@@ -61,3 +61,29 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+
+def install_synthetic_signal(monkeypatch) -> None:
+    """A random tiny model earns no reward signal (its text is malformed, every advantage 0,
+    so no adapter steps). Tests of the run's mechanics (resume, the pipeline) need adapters
+    that move: this gives every zero-advantage training row a deterministic advantage made
+    from its completion tokens (so a resumed run sees the same values), in the driver."""
+    from driver import loop
+
+    real = loop.TrainSample
+
+    def with_signal(adapter, prompt_ids, completion_ids, advantage, *rest):
+        if advantage == 0.0:
+            advantage = (sum(completion_ids) % 3 - 1) * 0.5
+        return real(adapter, prompt_ids, completion_ids, advantage, *rest)
+
+    monkeypatch.setattr(loop, "TrainSample", with_signal)
+
+
+@pytest.fixture(scope="module")
+def synthetic_signal():
+    """`install_synthetic_signal` for a whole test module."""
+    with pytest.MonkeyPatch.context() as mp:
+        install_synthetic_signal(mp)
+        yield
