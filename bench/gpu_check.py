@@ -59,9 +59,9 @@ SHAPES = {
 # (rows, prompt tokens, completion tokens, micro-batch, reps) of a learner update;
 # (rows, prompt tokens, new tokens, reps) of a generation batch
 SIZES = {
-    "full": {"learner": (32, 256, 256, 4, 3), "generate": (32, 128, 128, 2)},
-    "quick": {"learner": (16, 128, 128, 4, 2), "generate": (16, 64, 64, 1)},
-    "smoke": {"learner": (8, 12, 12, 4, 1), "generate": (8, 8, 8, 1)},
+    "full": {"learner": (32, 256, 256, 4, 3), "generate": (32, 128, 128, 2), "importance": (32, 128)},
+    "quick": {"learner": (16, 128, 128, 4, 2), "generate": (16, 64, 64, 1), "importance": (16, 64)},
+    "smoke": {"learner": (8, 12, 12, 4, 1), "generate": (8, 8, 8, 1), "importance": (4, 8)},
 }
 PAD_ID, EOS_ID = 0, 1
 LEARNING_CHECK = {"updates": 5, "lr": 1e-6, "rows": 8}
@@ -198,6 +198,35 @@ def learning_check(model: MultiLoraModel, vocab: int, device: str) -> dict:
             **c}
 
 
+def importance_check(model: MultiLoraModel, vocab: int, rows: int, new_tokens: int) -> dict:
+    """The off-policy correction's rounding on this device: rows sampled by our decode loop
+    (temperature 1, top-p 0.95, 8 adapters mixed) with their engine log-probs, then the
+    learner's log-probs of the same rows on the same weights (`token_logprobs`, the
+    update's first pass): the importance weights of these fresh rows would be exactly 1
+    without rounding. Keys: the mean and largest |w - 1| over completion tokens, and the
+    share of tokens a cap of 2 would truncate."""
+    from multilora.logprobs import token_logprobs
+    from multilora.trainer import importance_weights, pack_samples
+
+    prompts = random_ids(rows, 32, vocab, seed=7)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new_tokens, ignore_eos=True)
+    names = [f"a{i % ADAPTERS}" for i in range(rows)]
+    out = generate(model, IdTokenizer(), [GenerationRequest(n, p, params) for n, p in zip(names, prompts)],
+                   max_batch=rows, generator=torch.Generator(device=model.device).manual_seed(0))
+    rows_ = [TrainSample(n, p, o.completions[0].token_ids, 1.0, (), 0, o.completions[0].logprobs)
+             for n, p, o in zip(names, prompts, out)]
+    idx = list(range(len(rows_)))
+    packed = pack_samples(rows_, idx, PAD_ID)
+    with torch.no_grad():
+        logp = token_logprobs(model, packed, names)
+    weights, _ = importance_weights(rows_, idx, logp, packed.completion_mask.to(logp.device), cap=1e9)
+    on = weights[packed.completion_mask.to(weights.device).bool()].float()
+    dev = (on - 1).abs()
+    return {"is_weight_fresh_mean_abs_dev": float(dev.mean()), "is_weight_fresh_max_abs_dev": float(dev.max()),
+            "is_weight_fresh_mean": float(on.mean()), "is_fresh_truncated_frac_cap2": float((on > 2).float().mean()),
+            "tokens": int(on.numel())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
@@ -254,6 +283,8 @@ def main() -> None:
     peaks["learner"] = peak_gib(device)
     result["learning_check"] = learning_check(model, vocab, device)
     result["lora_A_changed_fraction"] = result["learning_check"]["lora_A_changed_fraction"]
+    result["importance_check"] = importance_check(model, vocab, *SIZES[size]["importance"])
+    result["is_weight_fresh_max_abs_dev"] = result["importance_check"]["is_weight_fresh_max_abs_dev"]
     result["peak_gib"] = peaks
     result["peak_memory_gib"] = max((v for v in peaks.values() if v is not None), default=None)
     result["seconds"] = time.perf_counter() - start
@@ -268,6 +299,10 @@ def main() -> None:
           f"(aim <= 1.10)")
     print(f"  lora_A entries changed after {LEARNING_CHECK['updates']} updates at lr {LEARNING_CHECK['lr']}: "
           f"{result['lora_A_changed_fraction']:.4f}")
+    ic = result["importance_check"]
+    print(f"  importance weights of fresh rows ({ic['tokens']} tokens, bf16): mean |w-1| "
+          f"{ic['is_weight_fresh_mean_abs_dev']:.2e}, max {ic['is_weight_fresh_max_abs_dev']:.2e}, "
+          f"> 2: {ic['is_fresh_truncated_frac_cap2']:.4f}")
     print(f"  peak GPU memory (GiB): {peaks}; whole check {result['seconds']:.0f} s")
     write_result("gpu_check", result)
 

@@ -31,6 +31,8 @@ KEYS = {
                  "novel_valid_rate_by_type", "novel_valid_rate_by_step", "copy_rate_by_step",
                  "novel_valid_rate_last_third_vs_first_third", "code_f_model_program_share", "control",
                  "novel_trend_vs_control", "machine"],
+    "pipeline": ["seconds_per_step", "overlapped_vs_lockstep_step_time", "overlap_share", "learning",
+                 "learning_noise", "learning_difference", "dropped_samples", "machine"],
     "gpu_check": ["step8_vs_step1", "mixed8_vs_bare_hf", "mixed8_vs_single", "lora_A_changed_fraction"],
 }
 
