@@ -25,7 +25,8 @@ bench: setup
 	$(BIN)/python -m bench.sync --quick
 	$(BIN)/python -m bench.memory --quick
 
-# Does the default run learn? 2 seeds of configs/local.yaml side by side (~25 min here).
+# Does the default run learn new work? configs/local.yaml on 4 seeds, with learning and with
+# learning rate 0 (the control), two runs side by side (~50-100 min on 2 cores).
 bench-learning: setup
 	$(BIN)/python -m bench.learning --quick
 

@@ -4,7 +4,7 @@ glibc's malloc hands every block above its mmap threshold (at most 32 MB on 64-b
 `mmap` and back to the kernel on `free`; a CPU forward/backward allocates such blocks
 (logits, activations, gradients) many times per update, and every page of each one is
 faulted in and zeroed by the kernel again. TCMalloc keeps freed blocks for reuse. Measured
-(`python -m bench.learner --quick`, SmolLM2-135M, 1 thread, same session, glibc vs
+(`python -m bench.learner --quick`, SmolLM2-135M, 1 thread, one process, glibc vs
 TCMalloc alternately, 3 runs each): the 1-adapter update's median 4.55 / 3.93 / 4.98 s
 vs 3.94 / 3.58 / 3.59 s, the whole bench 54 / 46 / 56 s vs 43 / 42 / 43 s, minor page
 faults 1.5 M vs 0.72 M, system time 6.6-8.7 s vs 3.7-4.2 s. vLLM's CPU guide recommends

@@ -404,7 +404,7 @@ def evaluate(run_dir: str | Path, baseline: str | Path | None = None, settings: 
     absent = [line.split(":", 1)[0] for line in skipped if "no local data" in line]
     if absent:
         notes.append(f"Skipped, no local data: {', '.join(absent)} (provide with --data NAME=PATH, "
-                     "$POPULORA_EVAL_<NAME> or $POPULORA_EVAL_DATA/<name>.jsonl; see README).")
+                     "$POPULORA_EVAL_<NAME> or $POPULORA_EVAL_DATA/<name>.jsonl; see docs/evaluation.md).")
     notes += [f"Skipped {line.replace(': skipped, ', ': ', 1)}" for line in skipped if "no local data" not in line]
     notes += kept_notes
     path = run_dir / "eval.md"
