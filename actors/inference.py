@@ -17,7 +17,7 @@ import torch
 from multilora.allocator import active as active_allocator
 from multilora.chat import ChatEngineMixin
 from multilora.generation import generate
-from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
+from multilora.model import LoraSpec, MultiLoraModel, check_model_dir, default_device, load_base_model
 from multilora.packing import PackedAdapters, unpack
 from multilora.sampling import GenerationRequest, RequestOutput, SamplingParams
 
@@ -78,6 +78,7 @@ class InferenceServer:
     def __init__(self, backend: str, model_path: str, spec: LoraSpec, n_slots: int, dtype: str = "auto",
                  max_batch: int = 32, seed: int = 0, threads: int = 0) -> None:
         self.incarnation = uuid.uuid4().hex
+        check_model_dir(model_path)  # here, on the node that loads it
         if threads:
             torch.set_num_threads(threads)
         self.engine = create_engine(backend, model_path, spec, n_slots, dtype, max_batch, seed)

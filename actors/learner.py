@@ -19,7 +19,7 @@ import torch
 
 from evolution import OPERATORS
 from multilora.allocator import active as active_allocator
-from multilora.model import LoraSpec, MultiLoraModel, default_device, load_base_model
+from multilora.model import LoraSpec, MultiLoraModel, check_model_dir, default_device, load_base_model
 from multilora.packing import PackedAdapters, pack
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
@@ -134,6 +134,7 @@ class Learner:
     def __init__(self, model_path: str, spec: LoraSpec, n_slots: int, settings: TrainerSettings,
                  dtype: str = "auto", threads: int = 0, deepspeed=None) -> None:
         self.incarnation = uuid.uuid4().hex
+        check_model_dir(model_path)  # here, on the node that loads it
         if threads:
             torch.set_num_threads(threads)
         self.core = LearnerCore(model_path, spec, n_slots, settings, dtype, deepspeed)

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"populora: checkpoint error: {e}", file=sys.stderr)
         return 2
+    except ConfigError as e:  # found where the actors run (the model directory on their node)
+        print(f"populora: config error: {e}", file=sys.stderr)
+        return 2
     print(f"run written to {path}")
     return 0
 

@@ -358,16 +358,21 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"run.name: must be a non-empty name without '/', got {cfg.run.name!r}")
     if cfg.logging.wandb and not cfg.logging.wandb_project.strip():
         raise ConfigError("logging.wandb_project: must be a non-empty name")
-    _validate_model_path(cfg.model.path)
+    _validate_model_path(cfg.model.path, local=not cfg.ray.address)
 
 
-def _validate_model_path(path: str) -> None:
+def _validate_model_path(path: str, local: bool = True) -> None:
+    """An embedded model's name, or a model directory. Checked here only when the run is
+    local (`local`): on a cluster the driver's node (the head, under `ray job submit`) need
+    not hold the model; the inference server and the learner check it where they run."""
     from multilora.embedded import EMBEDDED_MODELS
 
     if path.startswith("embedded:"):
         name = path.split(":", 1)[1]
         if name not in EMBEDDED_MODELS:
             raise ConfigError(f"model.path: unknown embedded model {name!r} (known: {', '.join(EMBEDDED_MODELS)})")
+        return
+    if not local:
         return
     p = Path(path).expanduser()
     if not p.is_dir():

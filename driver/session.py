@@ -13,7 +13,7 @@ from actors.inference import InferenceServer
 from actors.learner import Learner
 from actors.population import PopulationManager
 from actors.verifier import VerifierPool
-from driver.config import Config
+from driver.config import Config, ConfigError
 from multilora import allocator
 from multilora.embedded import resolve_model_path
 from multilora.model import LoraSpec
@@ -113,6 +113,15 @@ def heavy_actor_env(cfg: Config) -> dict:
     return {"env_vars": {**_ACTOR_ENV, **allocator.preload_env(cfg.ray.allocator, current="")}}
 
 
+def model_dir_error(text: str) -> str | None:
+    """The `ModelDirError` line in an actor's creation failure (`text`), if that was its cause."""
+    for line in text.splitlines():
+        _, found, message = line.partition("ModelDirError: ")
+        if found:
+            return message.strip()
+    return None
+
+
 def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
@@ -148,7 +157,14 @@ def create_actors(cfg: Config) -> Actors:
     pool = VerifierPool(min_workers=v.min_workers, max_workers=v.max_workers, chunk_size=v.chunk_size,
                         timeout_s=v.timeout_s, memory_mb=v.memory_mb)
     actors = Actors(inference, learner, population, pool, model_path, spec)
-    actors.incarnations = tuple(ray.get([h.ready.remote() for h in actors.stateful()]))
+    try:
+        actors.incarnations = tuple(ray.get([h.ready.remote() for h in actors.stateful()]))
+    except ray.exceptions.RayActorError as e:
+        stop_actors(actors)
+        missing = model_dir_error(str(e))
+        if missing:  # the model is not where an actor runs: a config error, named by the actor's node
+            raise ConfigError(missing) from None
+        raise
     log.info("allocator of the inference server / learner: %s / %s (ray.allocator: %s)",
              *ray.get([inference.allocator.remote(), learner.allocator.remote()]), cfg.ray.allocator)
     return actors

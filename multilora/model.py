@@ -76,6 +76,24 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     return getattr(torch, name)
 
 
+class ModelDirError(ValueError):
+    """`model.path` is not a model directory on the machine that loads it."""
+
+
+def check_model_dir(path: str | Path) -> None:
+    """Raise `ModelDirError`, naming this machine and the path, unless `path` is a Hugging
+    Face model directory here. On a cluster the processes that load the model (inference
+    server, learner) check it where they run: the driver's node may not hold it."""
+    import socket
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelDirError(f"model.path: {str(path)!r} is not a directory on node {socket.gethostname()}")
+    if not (p / "config.json").is_file():
+        raise ModelDirError(f"model.path: {str(path)!r} has no config.json on node {socket.gethostname()} "
+                            "(a Hugging Face model directory is expected)")
+
+
 def load_base_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> nn.Module:
     """Load a local HF causal LM (no hub access), frozen, in eval mode, on `device`, in
     `dtype` (a torch dtype or a `model.dtype` name such as "auto", see `resolve_dtype`)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import ray
 
 from actors.inference import InferenceServer
@@ -10,6 +13,7 @@ from multilora.generation import SamplingParams
 from multilora.model import LoraSpec
 from multilora.trainer import TrainerSettings, TrainSample
 
+ROOT = Path(__file__).resolve().parents[1]
 SPEC = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
 
@@ -36,3 +40,18 @@ def test_update_reaches_the_inference_server_through_the_object_store(ray_sessio
     assert after[1].completions[0].token_ids != before[1].completions[0].token_ids, "student-0 should change"
     for handle in (learner, server):
         ray.kill(handle)
+
+
+def test_actors_check_the_model_where_they_run(ray_session, tmp_path):
+    """A cluster config passes the driver's check with a model path the driver's node lacks;
+    the actors that load it stop the run with one line naming their node."""
+    import socket
+
+    from driver.config import ConfigError, load_config
+    from driver.session import create_actors
+
+    cfg = load_config(ROOT / "configs/test.yaml", [f"model.path={tmp_path / 'absent'}", "ray.address=auto",
+                                                   f"run.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        create_actors(cfg)
+    assert str(err.value) == f"model.path: '{tmp_path / 'absent'}' is not a directory on node {socket.gethostname()}"

@@ -36,6 +36,14 @@ def test_cluster_yaml_offers_every_resource_the_actors_request():
         "the verifier node type must autoscale between its own min and max"
     # actors load the embedded model from their own node's cache: every node prepares it
     assert any("populora prepare-model" in c for c in cluster["setup_commands"])
+    # the GPU extra (vLLM, DeepSpeed) only on the node type that has GPUs
+    assert not any(".[gpu]" in c for c in cluster["setup_commands"])
+    for name, t in node_types.items():
+        gpu_extra = any(".[gpu]" in c for c in t.get("worker_setup_commands", []))
+        assert gpu_extra == (t.get("resources", {}).get("GPU", 0) > 0), name
+    # its example submits the cluster config, not the one-machine one
+    header = (ROOT / "cluster.yaml").read_text().split("cluster_name:")[0]
+    assert "--config configs/cluster-7b.yaml" in header and "configs/local.yaml" not in header
     # the heavy actors ask for GPUs in the cluster config (its model path exists only there)
     ray_section = yaml.safe_load((ROOT / "configs/cluster-7b.yaml").read_text()).get("ray", {})
     gpus = {ray_section.get("inference_gpus", 0), ray_section.get("learner_gpus", 0)}

@@ -147,3 +147,31 @@ def test_check_config_explain_prints_every_key_value_and_source(capsys):
     assert rows["tasks.top_p"].split()[1:] == ["0.95", "file"]
     assert rows["learner.epochs"].split()[1:] == ["1", "default"]
     assert rows["tasks.types"].split(None, 1)[1].rsplit(None, 1) == ["[code_i, code_o, code_f]", "default"]
+
+
+def test_cluster_model_path_is_checked_where_the_actors_run(tiny_model_path):
+    """On a cluster the driver's node (the head) need not hold the model: the config accepts
+    a path absent here, and the actors that load it check it on their own node."""
+    cfg = load_config(ROOT / "configs/cluster-7b.yaml", ["model.path=/models/only-on-the-gpu-nodes"])
+    assert cfg.model.path == "/models/only-on-the-gpu-nodes"
+    with pytest.raises(ConfigError, match="model.path: '/models/x' is not a directory"):
+        load_config(ROOT / "configs/test.yaml", ["model.path=/models/x"])  # local: checked here
+    with pytest.raises(ConfigError, match="model.path: unknown embedded model"):
+        load_config(ROOT / "configs/cluster-7b.yaml", ["model.path=embedded:nope"])
+
+
+def test_model_dir_error_names_the_node(tmp_path):
+    import socket
+
+    from driver.session import model_dir_error
+    from multilora.model import ModelDirError, check_model_dir
+
+    with pytest.raises(ModelDirError, match=f"is not a directory on node {socket.gethostname()}"):
+        check_model_dir(tmp_path / "absent")
+    with pytest.raises(ModelDirError, match="has no config.json on node"):
+        check_model_dir(tmp_path)
+    actor_failure = ("The actor died because of an error raised in its creation task, ...\n"
+                     "  File \"actors/learner.py\", line 137, in __init__\n"
+                     f"multilora.model.ModelDirError: model.path: '/m' is not a directory on node gpu-1\n")
+    assert model_dir_error(actor_failure) == "model.path: '/m' is not a directory on node gpu-1"
+    assert model_dir_error("RayActorError: the actor died unexpectedly") is None
