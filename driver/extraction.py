@@ -1,4 +1,4 @@
-"""Reading model text: the `<answer>` block and the fenced sections inside it.
+r"""Reading model text: the `<answer>` block and the fenced sections inside it.
 
 Nothing here evaluates model text: parsing is regular expressions plus `ast.parse`; the
 verifier decides validity and correctness in its sandbox.
