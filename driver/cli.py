@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     from driver.evaluation.command import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser("eval", help="score every member, the base and a baseline run on benchmarks"))
+    from driver.study import add_arguments as add_study_arguments
+
+    add_study_arguments(sub.add_parser("study", help="train, evaluate and compare the arms of a study spec "
+                                                     "(several seeds each) and write one report"))
     return parser
 
 
@@ -79,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from driver.evaluation.command import main as evaluate
 
         return evaluate(args)
+    if args.command == "study":
+        from driver.study import main as study
+
+        return study(args)
     resume = getattr(args, "resume", None)
     if resume and not (Path(resume) / "config.yaml").is_file():
         print(f"populora: --resume: {Path(resume) / 'config.yaml'} not found (not a run directory?)", file=sys.stderr)

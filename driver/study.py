@@ -1,0 +1,621 @@
+"""`populora study SPEC.yaml`: the paper's experiment as one command.
+
+A study spec names arms (a config plus `--set` overrides each), seeds and steps. Every
+(arm, seed) is one ordinary training run, `studies/<name>/runs/<arm>-s<seed>/`, trained by
+`python -m driver train` in its own process (its own embedded Ray, its own memory), then
+evaluated by `python -m driver.evaluation.held_out` in another process: the held-out
+benchmarks of `populora eval` (CodeI/O, HumanEval) and the in-distribution probe
+(`driver.evaluation.probe`), greedy, the same problems for every run; the base model once,
+under `studies/<name>/base/`. Finally `driver.study_report` writes `report/index.html` and
+`report/summary.json` from every run's tables.
+
+Spec (YAML; relative config paths are read from the current directory, as `populora train
+--config` does):
+
+    name: local                    # studies/<name>/ (default: the spec file's stem)
+    config: configs/local.yaml     # every arm's config unless the arm names its own
+    set: [learner.micro_batch=4]   # overrides for every arm
+    steps: 15
+    seeds: [0, 1, 2]
+    arms:
+      2T2S: {}
+      4T4S: {set: [population.teachers=4, population.students=4]}
+      baseline: {set: [population.mode=single], description: single agent (AZR)}
+    baseline: baseline             # the arm every other is compared with (optional)
+    control: no-learning           # the no-learning arm, compared likewise (optional)
+    output_dir: /somewhere         # where studies/<name>/ goes (default: beside the spec)
+    eval: {benchmarks: [codeio, humaneval], limit: 20, probe_limit: 12, roles: [student, agent],
+           max_new_tokens: null, base: true}
+
+A bad spec (unknown key, unknown arm key, an arm whose config fails validation under its
+overrides, a run trained under another config than the spec now gives) stops before any
+run starts with one line naming the key; `populora study` then exits 2.
+
+Run again, a study resumes: a run is finished when its `study_trained.json` marker (written
+when `populora train` exits 0) records the spec's steps; a run with a checkpoint and no
+such marker (killed, or the spec's steps raised) continues with `populora train --resume
+<run> --set run.steps=<steps>`; a run without a checkpoint starts afresh. Evaluations are
+finished when `study_eval/done.json` records the same evaluation settings; retraining a
+run drops its evaluation.
+
+One machine: `--parallel N` runs N runs at once, each with one torch thread
+(`ray.torch_threads=1`, as `bench.learning` runs seeds side by side; on 2 cores two runs
+side by side beat one run with two threads). Runs are scheduled seed by seed (seed 0 of
+every arm first), so an interrupted study already covers every arm.
+
+A cluster (an arm config with `ray.address`, e.g. configs/cluster-7b.yaml): each run is
+still its own `populora train` process, a separate Ray driver that joins the cluster at
+`ray.address`; by default they run one after another, each using the whole cluster (its
+actors ask for the GPUs its config names). `--parallel N` runs N drivers at once; Ray then
+queues their actors until the GPUs they ask for are free. The torch-thread override applies
+only to embedded Ray. Evaluation generates in an InferenceServer actor on the cluster (`populora
+eval --ray`). Start it where the runs should live (the head node), e.g. `ray job submit
+--working-dir . -- populora study studies/cluster-7b.yaml`, with the spec's `output_dir`
+outside the job's working-directory copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from driver.config import Config, ConfigError, load_config
+from driver.evaluation.held_out import DONE as EVAL_DONE
+from driver.evaluation.held_out import EVAL_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_SPEC = ROOT / "studies" / "smoke.yaml"
+TRAINED = "study_trained.json"  # in a run directory: training reached the recorded steps
+SPEC_KEYS = ("name", "description", "config", "set", "steps", "seeds", "arms", "baseline", "control", "eval",
+             "output_dir", "parallel")
+ARM_KEYS = ("config", "set", "description")
+EVAL_KEYS = ("benchmarks", "limit", "probe", "probe_limit", "roles", "max_new_tokens", "base")
+ROLES = ("teacher", "student", "agent")
+# set per run by the study; the spec may not override them
+OWNED = ("run.seed", "run.steps", "run.name", "run.output_dir")
+# differences between a run's config.yaml and the spec's that do not change what was trained
+IGNORED = ("run.steps", "run.output_dir", "run.overwrite", "ray.torch_threads")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class StudyError(ValueError):
+    """A bad study spec: one line naming the key."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    config: str
+    overrides: tuple[str, ...]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    benchmarks: tuple[str, ...] = ("codeio", "humaneval")
+    limit: int | None = 20  # at most this many problems per benchmark
+    probe: bool = True  # the in-distribution probe (driver.evaluation.probe)
+    probe_limit: int | None = None  # at most this many probe programs (each one task per type)
+    roles: tuple[str, ...] = ("student", "agent")  # members evaluated (teachers are not asked to solve)
+    max_new_tokens: int | None = None  # None: each benchmark's own budget
+    base: bool = True
+
+    def fingerprint(self) -> dict:
+        """The settings as JSON gives them back (lists, not tuples): what done.json records."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    spec: Path
+    out: Path
+    steps: int
+    seeds: tuple[int, ...]
+    arms: tuple[Arm, ...]
+    baseline: str | None = None
+    control: str | None = None
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    description: str = ""
+    parallel: int = 1  # runs at once unless --parallel says otherwise
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One (arm, seed): its run directory and the overrides that make its config."""
+
+    arm: str
+    seed: int
+    name: str
+    path: Path
+    config: str
+    overrides: tuple[str, ...]
+
+
+# ---- the spec --------------------------------------------------------------------------
+def _overrides(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise StudyError(f"{key}: expected a list of key=value overrides, got {value!r}")
+    for v in value:
+        if v.split("=", 1)[0].strip() in OWNED:
+            raise StudyError(f"{key}: {v.split('=', 1)[0].strip()} is set by the study (use steps:, seeds:)")
+    return tuple(value)
+
+
+def _unknown(data: dict, known: tuple[str, ...], prefix: str) -> None:
+    for k in data:
+        if k not in known:
+            raise StudyError(f"{prefix}{k}: unknown key (known: {', '.join(known)})")
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise StudyError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _eval_spec(data: Any) -> EvalSpec:
+    if data is None:
+        return EvalSpec()
+    if not isinstance(data, dict):
+        raise StudyError(f"eval: expected a mapping, got {data!r}")
+    _unknown(data, EVAL_KEYS, "eval.")
+    spec = EvalSpec()
+    benchmarks = data.get("benchmarks", list(spec.benchmarks))
+    if not isinstance(benchmarks, list) or not all(isinstance(b, str) for b in benchmarks):
+        raise StudyError(f"eval.benchmarks: expected a list of benchmark names, got {benchmarks!r}")
+    if benchmarks:
+        from driver.evaluation.runner import resolve_benchmarks
+
+        try:
+            benchmarks = list(resolve_benchmarks(",".join(benchmarks)))
+        except ValueError as e:
+            raise StudyError(f"eval.benchmarks: {e}") from None
+    roles = data.get("roles", list(spec.roles))
+    if not isinstance(roles, list) or not roles or any(r not in ROLES for r in roles):
+        raise StudyError(f"eval.roles: expected a non-empty list of {', '.join(ROLES)}, got {roles!r}")
+    limits = {}
+    for key in ("limit", "probe_limit", "max_new_tokens"):
+        value = data.get(key, getattr(spec, key))
+        limits[key] = None if value is None else _positive_int(value, f"eval.{key}")
+    flags = {}
+    for key in ("probe", "base"):
+        flags[key] = data.get(key, getattr(spec, key))
+        if not isinstance(flags[key], bool):
+            raise StudyError(f"eval.{key}: expected true or false, got {flags[key]!r}")
+    return EvalSpec(tuple(benchmarks), limits["limit"], flags["probe"], limits["probe_limit"], tuple(roles),
+                    limits["max_new_tokens"], flags["base"])
+
+
+def parse_spec(path: str | Path, out: str | Path | None = None) -> Study:
+    """Read and check a study spec (not the arms' configs: see `check_study`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"SPEC: no such file {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise StudyError(f"SPEC: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise StudyError(f"SPEC: {path} must hold a mapping at the top level")
+    _unknown(data, SPEC_KEYS, "")
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise StudyError(f"name: expected a name of letters, digits, '.', '_' or '-', got {name!r}")
+    if "steps" not in data:
+        raise StudyError("steps: missing (training steps of every run)")
+    steps = _positive_int(data["steps"], "steps")
+    seeds = data.get("seeds", [0])
+    if (not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
+            or len(set(seeds)) != len(seeds)):
+        raise StudyError(f"seeds: expected a non-empty list of distinct integers, got {seeds!r}")
+    default_config = data.get("config")
+    if default_config is not None and not isinstance(default_config, str):
+        raise StudyError(f"config: expected a path, got {default_config!r}")
+    common = _overrides(data.get("set"), "set")
+    arms_data = data.get("arms")
+    if not isinstance(arms_data, dict) or not arms_data:
+        raise StudyError("arms: expected a mapping of arm name -> {config, set, description}")
+    arms = []
+    for arm_name, arm in arms_data.items():
+        key = f"arms.{arm_name}"
+        if not isinstance(arm_name, str) or not _NAME.fullmatch(arm_name):
+            raise StudyError(f"{key}: an arm name is letters, digits, '.', '_' or '-'")
+        arm = {} if arm is None else arm
+        if not isinstance(arm, dict):
+            raise StudyError(f"{key}: expected a mapping with {', '.join(ARM_KEYS)}, got {arm!r}")
+        _unknown(arm, ARM_KEYS, f"{key}.")
+        config = arm.get("config", default_config)
+        if not isinstance(config, str):
+            raise StudyError(f"{key}.config: missing (no top-level config: either)")
+        description = arm.get("description", "")
+        if not isinstance(description, str):
+            raise StudyError(f"{key}.description: expected text, got {description!r}")
+        arms.append(Arm(arm_name, config, common + _overrides(arm.get("set"), f"{key}.set"), description))
+    names = [a.name for a in arms]
+    refs = {}
+    for key in ("baseline", "control"):
+        value = data.get(key)
+        if value is not None and value not in names:
+            raise StudyError(f"{key}: {value!r} is not an arm (arms: {', '.join(names)})")
+        refs[key] = value
+    root = Path(data["output_dir"]).expanduser() if data.get("output_dir") else path.resolve().parent
+    return Study(name=name, spec=path, out=Path(out) if out else root / name, steps=steps, seeds=tuple(seeds),
+                 arms=tuple(arms), baseline=refs["baseline"], control=refs["control"],
+                 eval=_eval_spec(data.get("eval")), description=str(data.get("description", "")),
+                 parallel=_positive_int(data.get("parallel", 1), "parallel"))
+
+
+def runs_of(study: Study) -> list[RunSpec]:
+    """Every (arm, seed), seed by seed: seed 0 of every arm comes first."""
+    runs = []
+    for seed in study.seeds:
+        for arm in study.arms:
+            name = f"{arm.name}-s{seed}"
+            runs.append(RunSpec(arm.name, seed, name, study.out / "runs" / name, arm.config, (
+                *arm.overrides, f"run.seed={seed}", f"run.steps={study.steps}", f"run.name={name}",
+                f"run.output_dir={study.out / 'runs'}")))
+    return runs
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and k != "operators":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_study(study: Study) -> dict[str, Config]:
+    """Every run's config under its overrides, validated; a run already on disk must have
+    been trained under the config the spec gives now. Raises StudyError."""
+    configs: dict[str, Config] = {}
+    for run in runs_of(study):
+        try:
+            cfg = load_config(run.config, list(run.overrides))
+        except ConfigError as e:
+            raise StudyError(f"arms.{run.arm}: {e}") from None
+        configs[run.name] = cfg
+        on_disk = run.path / "config.yaml"
+        if on_disk.is_file():
+            old, new = _flat(yaml.safe_load(on_disk.read_text()) or {}), _flat(cfg.to_dict())
+            changed = [k for k in sorted(set(old) | set(new)) if k not in IGNORED and old.get(k) != new.get(k)]
+            if changed:
+                k = changed[0]
+                raise StudyError(f"arms.{run.arm}: {run.path} was trained with {k}={old.get(k)!r}, the spec now "
+                                 f"gives {new.get(k)!r}; delete that run directory to retrain it")
+        step = checkpoint_step(run.path)
+        if step is not None and step > study.steps:
+            raise StudyError(f"steps: {run.path} has trained {step} steps, more than the spec's {study.steps}; "
+                             "raise steps or delete that run directory")
+    models = {cfg.model.path for cfg in configs.values()}
+    if len(models) > 1:
+        raise StudyError(f"arms: every arm must use one model.path (the base model is evaluated once), got "
+                         f"{', '.join(sorted(models))}")
+    return configs
+
+
+# ---- the state of a run ----------------------------------------------------------------
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def trained(run: Path, steps: int) -> bool:
+    marker = _read_json(run / TRAINED)
+    return bool(marker) and marker.get("steps") == steps
+
+
+def checkpoint_step(run: Path) -> int | None:
+    """The step of the run's checkpoint (`driver.checkpoint.find`'s choice), None without one."""
+    for d in ("checkpoint", "checkpoint.old"):
+        manifest = _read_json(run / d / "manifest.json")
+        if manifest and isinstance(manifest.get("step"), int):
+            return manifest["step"]
+    return None
+
+
+def has_checkpoint(run: Path) -> bool:
+    return checkpoint_step(run) is not None
+
+
+def evaluated(run: Path, study: Study) -> bool:
+    marker = _read_json(run / EVAL_DIR / EVAL_DONE)
+    return bool(marker) and marker.get("settings") == study.eval.fingerprint()
+
+
+def steps_done(run: Path) -> int:
+    """The last step in metrics.parquet (0 when there is none yet)."""
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(run / "metrics.parquet", columns=["step"])
+        return int(max(table.column("step").to_pylist(), default=0))
+    except Exception:  # noqa: BLE001 - a table being swapped in or not yet written: no progress to show
+        return 0
+
+
+def status(run: RunSpec, study: Study) -> str:
+    """'done', 'evaluate' (trained, not evaluated), 'resume' (a checkpoint, not finished) or 'new'."""
+    if trained(run.path, study.steps):
+        nothing_to_evaluate = not study.eval.benchmarks and not study.eval.probe
+        return "done" if nothing_to_evaluate or evaluated(run.path, study) else "evaluate"
+    return "resume" if has_checkpoint(run.path) and (run.path / "config.yaml").is_file() else "new"
+
+
+# ---- the commands each run is made of ----------------------------------------------------
+def _threads(cfg: Config, parallel: int) -> list[str]:
+    return ["ray.torch_threads=1"] if parallel > 1 and not cfg.ray.address else []
+
+
+def train_command(run: RunSpec, study: Study, cfg: Config, parallel: int) -> list[str]:
+    sets = _threads(cfg, parallel)
+    if status(run, study) == "resume":
+        args = ["--resume", str(run.path), *_sets([f"run.steps={study.steps}", *sets])]
+    else:
+        args = ["--config", run.config, *_sets([*run.overrides, *sets])]
+    return [sys.executable, "-m", "driver", "train", *args]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def eval_command(path: Path, study: Study, cfg: Config, parallel: int, base_only: bool = False) -> list[str]:
+    e = study.eval
+    cmd = [sys.executable, "-m", "driver.evaluation.held_out", str(path), "--benchmarks", ",".join(e.benchmarks),
+           "--roles", ",".join(e.roles), "--settings", json.dumps(e.fingerprint())]
+    if not e.probe:
+        cmd.append("--no-probe")
+    for flag, value in (("--limit", e.limit), ("--probe-limit", e.probe_limit),
+                        ("--max-new-tokens", e.max_new_tokens)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if cfg.ray.address:
+        cmd += ["--ray", cfg.ray.address]
+    elif parallel > 1:
+        cmd += ["--threads", "1"]
+    if base_only:
+        cmd.append("--base-only")
+    return cmd
+
+
+def prepare_base(study: Study, cfg: Config) -> Path:
+    """studies/<name>/base/: a run directory without adapters, for the base model's evaluation."""
+    base = study.out / "base"
+    (base / "adapters").mkdir(parents=True, exist_ok=True)
+    data = cfg.to_dict()
+    data["run"]["name"] = "base"
+    new = yaml.safe_dump(data, sort_keys=False)
+    if (base / "config.yaml").is_file() and (base / "config.yaml").read_text() != new:
+        shutil.rmtree(base / EVAL_DIR, ignore_errors=True)  # another model or settings: evaluate again
+    (base / "config.yaml").write_text(new)
+    return base
+
+
+# ---- the scheduler ---------------------------------------------------------------------
+@dataclass
+class Job:
+    """One run's remaining stages ('train', 'evaluate'), or the base model's evaluation."""
+
+    name: str
+    stages: list[str]
+    run: RunSpec | None = None
+    path: Path | None = None
+    proc: subprocess.Popen | None = None
+    stage: str = ""
+    started: float = 0.0
+    log: Path | None = None
+    failed: str = ""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false")):
+        env.setdefault(k, v)
+    return env
+
+
+class Scheduler:
+    """Runs jobs' stages as subprocesses, at most `parallel` at once, and prints progress lines."""
+
+    def __init__(self, study: Study, configs: dict[str, Config], parallel: int, heartbeat_s: float = 60.0) -> None:
+        self.study, self.configs, self.parallel, self.heartbeat_s = study, configs, parallel, heartbeat_s
+        self.jobs: list[Job] = []
+        self.done: list[str] = []
+
+    def plan(self) -> list[Job]:
+        study = self.study
+        first = self.configs[runs_of(study)[0].name]
+        if study.eval.base and (study.eval.benchmarks or study.eval.probe):
+            base = prepare_base(study, first)
+            if evaluated(base, study):
+                self.done.append("base")
+            else:
+                self.jobs.append(Job("base", ["evaluate"], path=base))
+        for run in runs_of(study):
+            state = status(run, study)
+            if state == "done":
+                self.done.append(run.name)
+                continue
+            self.jobs.append(Job(run.name, ["train", "evaluate"] if state in ("new", "resume") else ["evaluate"],
+                                 run=run, path=run.path))
+        return self.jobs
+
+    def _start(self, job: Job) -> None:
+        study, stage = self.study, job.stages.pop(0)
+        job.stage, job.started = stage, time.monotonic()
+        if job.run is None:
+            cfg = self.configs[runs_of(study)[0].name]
+            cmd = eval_command(job.path, study, cfg, self.parallel, base_only=True)
+        else:
+            cfg = self.configs[job.run.name]
+            if stage == "train":
+                resume = status(job.run, study) == "resume"
+                cmd = train_command(job.run, study, cfg, self.parallel)
+                if not resume:
+                    shutil.rmtree(job.path, ignore_errors=True)  # no checkpoint: nothing to keep
+                shutil.rmtree(job.path / EVAL_DIR, ignore_errors=True)  # its adapters change
+                (job.path / TRAINED).unlink(missing_ok=True)
+                self._line(f"{job.name}: {'resume from step ' + str(steps_done(job.path)) if resume else 'start'}"
+                           f" (train {study.steps} steps)")
+            else:
+                cmd = eval_command(job.path, study, cfg, self.parallel)
+        # beside the run, not inside it: `populora train` starts a fresh run by deleting its directory
+        job.log = study.out / "logs" / f"{job.name}-{stage}.log"
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(job.log, "a") as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            job.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                                        start_new_session=True)
+
+    def _finish(self, job: Job) -> None:
+        rc = job.proc.returncode
+        seconds = time.monotonic() - job.started
+        job.proc = None
+        if rc != 0:
+            job.failed = f"{job.stage} exited {rc} (log: {job.log})"
+            self._line(f"{job.name}: FAILED, {job.failed}")
+            return
+        if job.stage == "train":
+            (job.path / TRAINED).write_text(json.dumps({"steps": self.study.steps, "seconds": round(seconds, 1)}))
+        self._line(f"{job.name}: {job.stage} finished in {seconds:.0f} s")
+        if not job.stages:
+            self.done.append(job.name)
+
+    def _line(self, text: str) -> None:
+        print(f"[study {self.study.name} {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def progress(self) -> str:
+        running = [j for j in self.jobs if j.proc is not None]
+        waiting = [j for j in self.jobs if j.proc is None and j.stages and not j.failed]
+        failed = [j.name for j in self.jobs if j.failed]
+        total = len(self.done) + len([j for j in self.jobs if j.name not in self.done])
+
+        def what(j: Job) -> str:
+            if j.stage == "train":
+                return f"{j.name} train {steps_done(j.path)}/{self.study.steps}"
+            return f"{j.name} {j.stage}"
+
+        return (f"done {len(self.done)}/{total} | running {', '.join(what(j) for j in running) or '-'} | "
+                f"waiting {len(waiting)}" + (f" | failed {', '.join(failed)}" if failed else ""))
+
+    def run(self) -> list[Job]:
+        """Runs every planned job; returns the ones that failed."""
+        last = 0.0
+        try:
+            while True:
+                changed = False
+                for job in self.jobs:
+                    if job.proc is not None and job.proc.poll() is not None:
+                        self._finish(job)
+                        changed = True
+                running = sum(j.proc is not None for j in self.jobs)
+                for job in self.jobs:
+                    if running >= self.parallel:
+                        break
+                    if job.proc is None and job.stages and not job.failed:
+                        self._start(job)
+                        running += 1
+                        changed = True
+                if changed or time.monotonic() - last >= self.heartbeat_s:
+                    self._line(self.progress())
+                    last = time.monotonic()
+                if not running:
+                    break
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            self._line("interrupted: stopping the runs (run the study again to resume)")
+            self.stop()
+            raise
+        return [j for j in self.jobs if j.failed]
+
+    def stop(self) -> None:
+        """SIGINT to every running stage (it shuts its Ray down), then SIGKILL to what is left."""
+        live = [j for j in self.jobs if j.proc is not None and j.proc.poll() is None]
+        for job in live:
+            os.killpg(job.proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        for job in live:
+            try:
+                job.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+
+
+# ---- the command -------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", nargs="?", default=None, help="study spec, e.g. studies/local.yaml")
+    parser.add_argument("--parallel", type=int, default=None, metavar="N",
+                        help="runs at once (default: the spec's parallel, else 1); N > 1 gives each one torch thread")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"the smoke study ({SMOKE_SPEC.relative_to(ROOT)}: tiny model, 2 arms, 1 seed, 2 steps)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="the study directory (default: <spec's output_dir or directory>/<name>)")
+    parser.add_argument("--dry-run", action="store_true", help="check the spec, print each run's state, run nothing")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the runs already there")
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = args.spec or (SMOKE_SPEC if args.smoke else None)
+    if spec is None:
+        print("populora study: SPEC: a study spec is required (or --smoke)", file=sys.stderr)
+        return 2
+    if args.parallel is not None and args.parallel < 1:
+        print(f"populora study: --parallel: must be >= 1, got {args.parallel}", file=sys.stderr)
+        return 2
+    try:
+        study = parse_spec(spec, args.out)
+        configs = check_study(study)
+    except StudyError as e:
+        print(f"populora study: {e}", file=sys.stderr)
+        return 2
+    runs = runs_of(study)
+    print(f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds, {study.steps} steps each, "
+          f"{args.parallel or study.parallel} at a time, in {study.out}", flush=True)
+    if args.dry_run:
+        for run in runs:
+            print(f"  {run.name}: {status(run, study)}")
+        return 0
+    failed = []
+    if not args.report_only:
+        study.out.mkdir(parents=True, exist_ok=True)
+        (study.out / "spec.yaml").write_text(Path(spec).read_text())
+        scheduler = Scheduler(study, configs, args.parallel or study.parallel)
+        scheduler.plan()
+        try:
+            failed = scheduler.run()
+        except KeyboardInterrupt:
+            return 130
+    from driver.study_report import write_study_report
+
+    path = write_study_report(study)
+    print(f"report written to {path}")
+    if failed:
+        print(f"populora study: {len(failed)} stage(s) failed: {', '.join(j.name for j in failed)} "
+              "(run the study again to retry them)", file=sys.stderr)
+        return 1
+    return 0

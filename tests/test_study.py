@@ -1,0 +1,210 @@
+"""`populora study`: the spec and its errors, the intervals, the probe set, and the smoke study
+end to end with an interrupted run that resumes and a finished study that is skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from driver import intervals
+from driver.cli import main as cli
+from driver.config import load_config
+from driver.study import StudyError, check_study, parse_spec, runs_of, train_command
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "studies" / "smoke.yaml"
+
+
+def _spec(tmp_path: Path, **changes) -> Path:
+    data = yaml.safe_load(SMOKE.read_text())
+    data["config"] = str(ROOT / "configs" / "test.yaml")
+    if "arms" in changes:
+        data.pop("baseline")  # the smoke spec's baseline arm is gone
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ---- the spec ----------------------------------------------------------------------------
+def test_local_spec_is_the_papers_comparison():
+    study = parse_spec(ROOT / "studies" / "local.yaml")
+    configs = check_study(study)
+    assert [a.name for a in study.arms] == ["1T1S", "2T2S", "4T4S", "baseline", "no-learning", "no-evolution"]
+    assert len(study.seeds) == 3 and (study.baseline, study.control) == ("baseline", "no-learning")
+    cfg = configs["2T2S-s0"]
+    k = cfg.population.evolve_every
+    # the last third of the steps comes after two evolution events
+    assert study.steps - study.steps // 3 >= 2 * k, (study.steps, k)
+    assert configs["no-learning-s0"].learner.lr == 0 and configs["no-evolution-s0"].population.evolve_every == 0
+    assert configs["baseline-s1"].population.mode == "single" and configs["baseline-s1"].run.seed == 1
+    assert (configs["4T4S-s2"].population.teachers, configs["4T4S-s2"].population.students) == (4, 4)
+    # compute-matched per adapter: every arm proposes and solves as much per adapter
+    tasks = {(c.tasks.proposals_per_type, c.tasks.rollouts, c.run.steps) for c in configs.values()}
+    assert len(tasks) == 1, tasks
+
+
+def test_cluster_spec_is_valid_where_its_model_exists(tiny_model_path):
+    study = parse_spec(ROOT / "studies" / "cluster-7b.yaml")
+    assert [a.name for a in study.arms] == ["1T1S", "4T4S", "8T8S", "baseline"]
+    # the model directory exists only on the GPU nodes; everything else must validate here
+    arms = tuple(dataclasses.replace(a, overrides=(*a.overrides, f"model.path={tiny_model_path}")) for a in study.arms)
+    configs = check_study(dataclasses.replace(study, arms=arms))
+    assert configs["8T8S-s0"].population.teachers == 8 and configs["8T8S-s0"].ray.address == "auto"
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"stepz": 3}, "stepz: unknown key"),
+    ({"steps": None}, "steps: missing"),
+    ({"seeds": [0, 0]}, "seeds: expected a non-empty list of distinct integers"),
+    ({"arms": {"a": {"sett": ["learner.lr=0"]}}}, "arms.a.sett: unknown key"),
+    ({"arms": {"a": {"set": ["population.teachers=x"]}}}, "arms.a: population.teachers: expected int"),
+    ({"arms": {"a": {"set": ["population.teacherz=3"]}}}, "arms.a: population.teacherz: unknown key"),
+    ({"arms": {"a": {"config": "configs/nope.yaml"}}}, "arms.a: --config: no such file"),
+    ({"arms": {"a/b": {}}}, "arms.a/b: an arm name"),
+    ({"set": ["run.seed=3"]}, "set: run.seed is set by the study"),
+    ({"baseline": "nope"}, "baseline: 'nope' is not an arm"),
+    ({"eval": {"limt": 3}}, "eval.limt: unknown key"),
+    ({"eval": {"benchmarks": ["humaneval", "nope"]}}, "eval.benchmarks: unknown benchmark 'nope'"),
+    ({"eval": {"roles": ["judge"]}}, "eval.roles:"),
+])
+def test_bad_spec_stops_before_any_run_with_one_line(tmp_path, capsys, changes, expected):
+    spec = _spec(tmp_path, **changes)
+    assert cli(["study", str(spec), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"populora study: {expected}"), err
+    assert not (tmp_path / "out").exists(), "a run started before the spec was checked"
+
+
+def test_bad_spec_exits_2_from_the_command_line(tmp_path):
+    spec = _spec(tmp_path, arms={"a": {"sett": []}})
+    proc = subprocess.run([sys.executable, "-m", "driver", "study", str(spec)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "populora study: arms.a.sett: unknown key (known: config, set, description)"), proc.stderr
+
+
+def test_a_run_trained_under_another_config_is_refused(tmp_path):
+    study = parse_spec(_spec(tmp_path), tmp_path / "out")
+    run = runs_of(study)[0]
+    old = load_config(run.config, [*run.overrides, "learner.lr=0.5"])
+    run.path.mkdir(parents=True)
+    (run.path / "config.yaml").write_text(yaml.safe_dump(old.to_dict()))
+    with pytest.raises(StudyError, match=r"^arms\.2T2S: .* was trained with learner\.lr=0\.5"):
+        check_study(study)
+
+
+# ---- intervals ---------------------------------------------------------------------------
+def test_equal_seeds_give_a_zero_width_interval():
+    e = intervals.bootstrap_mean([0.25, 0.25, 0.25])
+    assert (e.value, e.low, e.high, e.n) == (0.25, 0.25, 0.25, 3)
+    assert not intervals.bootstrap_difference([0.25, 0.25], [0.25, 0.25]).detected
+
+
+def test_difference_and_its_interval_by_hand():
+    # mean([1, 2, 3]) - mean([0, 0, 0]) = 2. A resample of the first arm has mean 1 only when it
+    # draws 1 three times (1/27 = 3.7% of draws, more than the 2.5% tail) and mean 3 likewise:
+    # the 95% interval is exactly [1, 3], and it excludes 0.
+    d = intervals.bootstrap_difference([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    assert (d.value, d.low, d.high) == (2.0, 1.0, 3.0) and d.detected
+    # two seeds 0 and 1: resampled means 0 (1/4), 0.5 (1/2), 1 (1/4): the interval spans [0, 1]
+    e = intervals.bootstrap_mean([0.0, 1.0])
+    assert (e.value, e.low, e.high) == (0.5, 0.0, 1.0)
+
+
+def test_evaluation_scores_are_paired_over_problems():
+    rng = np.random.default_rng(0)
+    w = intervals.problem_weights(4, rng, draws=500)
+    assert w.shape == (500, 4) and np.allclose(w.sum(axis=1), 1.0)
+    run = np.array([[1, 0, 1, 0], [1, 1, 1, 1]])  # two members: accuracies 0.5 and 1.0
+    assert intervals.eval_point([run], np.mean) == 0.75
+    assert (intervals.eval_point([run], np.min), intervals.eval_point([run], np.max)) == (0.5, 1.0)
+    a, b = intervals.eval_draws([run], w, np.mean, rng), intervals.eval_draws([run], w, np.mean, rng)
+    # each score varies with the problems drawn, but two identical arms differ by 0 in every draw
+    assert a.std() > 0 and np.array_equal(a, b)
+
+
+# ---- the probe ---------------------------------------------------------------------------
+def test_probe_programs_are_held_out_and_valid():
+    from driver.evaluation.probe import HOLDOUT_PROGRAMS, probe_tasks
+    from driver.seeds import SEED_PROGRAMS
+    from verifier_sandbox import ast_hash
+
+    seeds = {ast_hash(s.program) for s in SEED_PROGRAMS}
+    assert not [p for p, _, _ in HOLDOUT_PROGRAMS if ast_hash(p) in seeds]
+    assert len({ast_hash(p) for p, _, _ in HOLDOUT_PROGRAMS}) == len(HOLDOUT_PROGRAMS)
+    tasks = probe_tasks(load_config(ROOT / "configs" / "local.yaml"), limit=3)
+    assert [pid for pid, _ in tasks] == [f"probe/{i}/{t}" for t in ("code_i", "code_o", "code_f") for i in range(3)]
+    code_f = [t for _, t in tasks if t.task_type == "code_f"]
+    assert all(len(t.inputs) == 4 and len(t.outputs) == 4 and t.shown == 2 for t in code_f)
+
+
+# ---- end to end --------------------------------------------------------------------------
+def _run(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in pq.read_table(path).to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def smoke(tiny_model_path, tmp_path_factory):
+    """The smoke study, with its baseline run interrupted after step 1 beforehand (trained by
+    the study's own command to 1 step: a checkpoint at step 1, no completion marker)."""
+    out = tmp_path_factory.mktemp("study") / "smoke"
+    study = parse_spec(SMOKE, out)
+    short = dataclasses.replace(study, steps=1)
+    baseline = next(r for r in runs_of(short) if r.arm == "baseline")
+    first = _run(train_command(baseline, short, check_study(short)[baseline.name], parallel=1))
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _rows(baseline.path / "metrics.parquet")
+    proc = _run([sys.executable, "-m", "driver", "study", "--smoke", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout, before
+
+
+def test_smoke_study_writes_the_report(smoke):
+    out, stdout, _ = smoke
+    html = (out / "report" / "index.html").read_text()
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert "Findings" in html and "no detectable difference" in html or "not judged" in html
+    assert all(r["finished"] and r["evaluated"] for r in summary["runs"]), summary["runs"]
+    metrics = summary["metrics"]
+    for key in ("valid_rate", "teacher_reward", "coverage", "eval/probe all/mean",
+                "eval/probe all/weakest", "eval/probe all/best", "eval/humaneval/mean"):
+        assert key in metrics, f"{key} not in {sorted(metrics)}"
+    probe = metrics["eval/probe all/mean"]
+    assert set(probe["arms"]) == {"2T2S", "baseline"} and "base" in probe
+    assert probe["arms"]["2T2S"]["vs_baseline"]["verdict"] == "not judged (fewer than 2 seeds)"
+    assert (out / "report" / "valid_rate.png").is_file() and (out / "report" / "evaluation.png").is_file()
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(smoke):
+    out, stdout, before = smoke
+    assert "baseline-s0: resume from step 1" in stdout and "2T2S-s0: start" in stdout, stdout
+    after = _rows(out / "runs" / "baseline-s0" / "metrics.parquet")
+    assert sorted({r["step"] for r in after}) == [1, 2]
+    assert [r for r in after if r["step"] == 1] == before  # step 1 was not trained again
+
+
+def test_finished_study_is_skipped(smoke):
+    out, _, _ = smoke
+    metrics = out / "runs" / "2T2S-s0" / "metrics.parquet"
+    mtime = metrics.stat().st_mtime_ns
+    proc = _run([sys.executable, "-m", "driver", "study", "--smoke", "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done 3/3" in proc.stdout and "start" not in proc.stdout and "resume" not in proc.stdout, proc.stdout
+    assert metrics.stat().st_mtime_ns == mtime
