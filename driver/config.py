@@ -381,19 +381,26 @@ def _validate_model_path(path: str, local: bool = True) -> None:
         raise ConfigError(f"model.path: {path!r} has no config.json (a Hugging Face model directory is expected)")
 
 
+def read_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ConfigError) -> dict[str, Any] | None:
+    """The mapping at the top of a YAML file (None when the file is empty); a missing file,
+    invalid YAML or another top-level value raise `error`, the message led by `what`."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what}: no such file {str(p)!r}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise error(f"{what}: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise error(f"{what}: {p} must hold a mapping at the top level")
+    return loaded
+
+
 def _read_file(path: str | Path | None) -> dict[str, Any]:
     """The YAML config file's mapping ({} without a file)."""
     if path is None:
         return {}
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: no such file {str(p)!r}")
-    try:
-        loaded = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"--config: {p} must hold a mapping at the top level")
+    loaded = read_yaml_mapping(path, "--config")
     return loaded or {}
 
 

@@ -72,7 +72,7 @@ from typing import Any
 
 import yaml
 
-from driver.config import Config, ConfigError, load_config
+from driver.config import Config, ConfigError, load_config, read_yaml_mapping
 from driver.evaluation.held_out import DONE as EVAL_DONE
 from driver.evaluation.held_out import EVAL_DIR
 
@@ -208,13 +208,8 @@ def _eval_spec(data: Any) -> EvalSpec:
 def parse_spec(path: str | Path, out: str | Path | None = None) -> Study:
     """Read and check a study spec (not the arms' configs: see `check_study`)."""
     path = Path(path)
-    if not path.is_file():
-        raise StudyError(f"SPEC: no such file {str(path)!r}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise StudyError(f"SPEC: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
+    data = read_yaml_mapping(path, "SPEC", StudyError)
+    if data is None:  # an empty file
         raise StudyError(f"SPEC: {path} must hold a mapping at the top level")
     _unknown(data, SPEC_KEYS, "")
     name = data.get("name", path.stem)
