@@ -53,7 +53,7 @@ def run_metrics(out: Path, seed: int) -> list[dict]:
     return pq.read_table(out / f"learning-seed{seed}" / "metrics.parquet").to_pylist()
 
 
-def per_seed_rates(tasks: list[dict], steps: int) -> dict:
+def per_seed_rates(tasks: list[dict]) -> dict:
     """The headline rates of one run: valid and novel valid rate over all its proposals."""
     return {"valid_rate": _mean([bool(t["valid"]) for t in tasks]),
             "novel_valid_rate": _mean([bool(t["valid"]) and t.get("copy_of") is None for t in tasks])}
@@ -98,7 +98,7 @@ def main() -> None:
         result["overlap_share"][arm] = sum(r.get("time/overlap") or 0.0 for r in steps_rows.values()) / wall
         summary = summarise(runs[arm], steps)
         result["learning"][arm] = {k: summary[k] for k in LEARNING_KEYS}
-        result["learning"][arm]["by_seed"] = {str(seed): per_seed_rates(tasks, steps)
+        result["learning"][arm]["by_seed"] = {str(seed): per_seed_rates(tasks)
                                               for seed, (_, tasks) in runs[arm].items()}
     result["overlapped_vs_lockstep_step_time"] = result["seconds_per_step"]["k1"] / result["seconds_per_step"]["k0"]
     # noise: the spread of a rate between seeds within one arm; the difference between the
