@@ -100,9 +100,14 @@ class InferenceServer:
     def sync_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         return self.engine.sync_adapters(adapters)
 
-    def sync_packed(self, packed: PackedAdapters) -> list[str]:
-        """`sync_adapters` from `Learner.export_packed` (one buffer through the object store)."""
-        return self.engine.sync_adapters(unpack(packed))
+    def sync_packed(self, *packed: PackedAdapters) -> list[str]:
+        """`sync_adapters` from `Learner.export_packed`: one buffer per learner shard through
+        the object store, together every adapter of the population (in name order, as one
+        learner packs them)."""
+        merged = {}
+        for p in packed:
+            merged.update(unpack(p))
+        return self.engine.sync_adapters(dict(sorted(merged.items())))
 
     def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
                  prefixes: list[str] | None = None) -> list[RequestOutput]:

@@ -55,9 +55,12 @@ class LearnerCore:
             self.trainer = DeepSpeedPolicyTrainer(self.model, settings, pad_id, deepspeed)
         self.version = 0  # updates applied: the version of the adapters after the last one
 
-    def init_members(self, names: list[str], seed: int) -> None:
-        """Fresh PEFT-initialised adapters, seeded per member for reproducibility."""
-        for i, name in enumerate(names):
+    def init_members(self, names: list[str], seed: int, places: list[int] | None = None) -> None:
+        """Fresh PEFT-initialised adapters, seeded per member for reproducibility: member
+        `names[j]` from seed * 1000 + places[j] (default: its index in `names`; a learner
+        shard passes each member's place in the whole population, so it starts as one
+        learner would start it)."""
+        for i, name in zip(places if places is not None else range(len(names)), names):
             self.model.add_adapter(name, generator=torch.Generator().manual_seed(seed * 1000 + i))
             self.trainer.reset_optimizer(name)
 
@@ -117,9 +120,12 @@ class LearnerCore:
             self.trainer.reload_weights()
 
     def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict,
-                    seed: int) -> None:
-        """Replace member `dead` by `child` = OPERATORS[operator](parents) with a fresh optimizer."""
-        states = [self.model.export_adapter(p) for p in parents]
+                    seed: int, *elsewhere: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace member `dead` by `child` = OPERATORS[operator](parents) with a fresh optimizer.
+        `elsewhere`: `export_adapters` results of other learner shards, holding the parents
+        this one does not own."""
+        given = {n: st for part in elsewhere for n, st in part.items()}
+        states = [given[p] if p in given else self.model.export_adapter(p) for p in parents]
         state = OPERATORS[operator](states, torch.Generator().manual_seed(seed), **params)
         self.model.remove_adapter(dead)
         self.trainer.drop_optimizer(dead)
@@ -147,8 +153,8 @@ class Learner:
         """The malloc this process runs on (`multilora.allocator.active`)."""
         return active_allocator()
 
-    def init_members(self, names: list[str], seed: int) -> None:
-        self.core.init_members(names, seed)
+    def init_members(self, names: list[str], seed: int, places: list[int] | None = None) -> None:
+        self.core.init_members(names, seed, places)
 
     def state_dict(self) -> dict:
         return self.core.state_dict()
@@ -167,5 +173,6 @@ class Learner:
     def update(self, samples: list[TrainSample], max_staleness: int = 0) -> dict[str, dict[str, float]]:
         return self.core.update(samples, max_staleness)
 
-    def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict, seed: int) -> None:
-        self.core.spawn_child(dead, child, parents, operator, params, seed)
+    def spawn_child(self, dead: str, child: str, parents: list[str], operator: str, params: dict, seed: int,
+                    *elsewhere: dict) -> None:
+        self.core.spawn_child(dead, child, parents, operator, params, seed, *elsewhere)

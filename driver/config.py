@@ -159,6 +159,9 @@ class LearnerConfig:
     # truncated importance sampling (pipeline.max_staleness >= 1): the per-token weight
     # pi_learner / pi_behaviour is capped here (veRL's and slime's TIS use 2)
     is_cap: float = 2.0
+    # learner actors, each owning a fixed share of the members (adapter parallel, no
+    # all-reduce; driver/fleet.py). A member's update is the one a single learner makes
+    shards: int = 1
 
 
 @dataclass
@@ -179,6 +182,9 @@ class InferenceConfig:
     # in one wave. Student prompts, 6 x 8 rollouts x 96 tokens, SmolLM2-135M, 1 thread:
     # 18.0 / 18.6 s at 32 rows, 13.0 / 13.5 s at 64 (83 vs 114 ms per step at 32 vs 48 rows)
     max_batch: int = 64
+    # inference engines, each holding every adapter; requests are routed by adapter
+    # (driver/fleet.py route) and a replica that dies is replaced, its requests retried
+    replicas: int = 1
 
 
 @dataclass
@@ -335,6 +341,12 @@ def _validate(cfg: Config) -> None:
     if cfg.population.mode == "population":
         positive("population.teachers", cfg.population.teachers)
         positive("population.students", cfg.population.students)
+    positive("inference.replicas", cfg.inference.replicas)
+    positive("learner.shards", cfg.learner.shards)
+    members = cfg.population.teachers + cfg.population.students if cfg.population.mode == "population" else 1
+    if cfg.learner.shards > members:
+        raise ConfigError(f"learner.shards: {cfg.learner.shards} shards for {members} members would leave a shard "
+                          f"without an adapter (at most {members})")
     for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games",
                 "pipeline.max_staleness"):
         section, name = key.split(".")

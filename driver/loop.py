@@ -39,7 +39,8 @@ from driver.records import Proposal, Rollout, Task
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
-from driver.session import Actors, create_actors, start_ray, stop_actors
+from driver.fleet import merge_stats
+from driver.session import Actors, create_actors, member_names, start_ray, stop_actors
 from driver.telemetry import Telemetry
 from driver.trackers import Trackers
 from evolution.population import Replacement
@@ -121,9 +122,9 @@ def train_step(step: int, ctx: StepContext, pending: Generated | None = None) ->
     with ctx.phase("update"):
         update_ref, signal, dropped = submit_update(ctx, gen)
         following = generate(ctx, step + 1) if overlap else None  # samples from the adapters before this update
-        stats = ray.get(update_ref)
+        stats = merge_stats(ray.get(update_ref))
         ctx.version += 1
-        sync_adapters(actors)
+        actors.sync(ctx.version)
     learner_seconds = max((s.get("seconds", 0.0) for s in stats.values()), default=0.0)
     if following is not None:  # the learner's own time, not the wait that included the generation
         ctx.seconds["update"] = learner_seconds
@@ -195,8 +196,7 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
     t = ctx.cfg.tasks
     params, prefixes = zip(*[sampling(ctx.cfg, "teacher", tt, greedy) for _, tt, _ in jobs]) if jobs else ((), ())
     prompts = [teacher_prompt(tt, refs, t.induction_inputs, t.reasoning, t.constrained_format) for _, tt, refs in jobs]
-    outputs = ray.get(ctx.actors.inference.generate.remote(
-        [j[0] for j in jobs], prompts, list(params), list(prefixes)))
+    outputs = ctx.actors.generate([j[0] for j in jobs], prompts, list(params), list(prefixes))
     parsed = [parse_proposal(tt, pre + out.completions[0].text, t.induction_inputs, t.require_answer_close,
                              t.reasoning) for (_, tt, _), pre, out in zip(jobs, prefixes, outputs)]
     copies = [novelty.copy_of(tt, p.program, refs) if p.error is None else None
@@ -241,8 +241,8 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
         return []
     t = ctx.cfg.tasks
     params, prefixes = zip(*[sampling(ctx.cfg, "student", task.task_type, greedy) for task in tasks])
-    outputs = ray.get(ctx.actors.inference.generate.remote(
-        students, [student_prompt(task, t.reasoning) for task in tasks], list(params), list(prefixes)))
+    outputs = ctx.actors.generate(students, [student_prompt(task, t.reasoning) for task in tasks], list(params),
+                                  list(prefixes))
     attempts, requests = [], []  # (task index, student, prompt ids, completion, answer)
     for i, (task, student, pre, out) in enumerate(zip(tasks, students, prefixes, outputs)):
         for c in out.completions:
@@ -277,8 +277,8 @@ def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> dict[int, fl
     return {id(task): float(np.mean(correct[i])) if correct[i] else 0.0 for i, task in enumerate(tasks)}
 
 
-def submit_update(ctx: StepContext, gen: Generated) -> tuple[ray.ObjectRef, SignalReport, int]:
-    """Group-normalised advantages and the learner's update, submitted (not awaited).
+def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef], SignalReport, int]:
+    """Group-normalised advantages and the learner shards' update, submitted (not awaited).
 
     Also returns the step's signal shares (the fraction of training rows, per member, per
     role, overall, whose advantage is non-zero: the only rows that move an adapter) and the
@@ -301,16 +301,8 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[ray.ObjectRef, Sign
         alive = set(members["teachers"]) | set(members["students"])
         kept = [s for s in samples if s.adapter in alive]
         dropped, samples = len(samples) - len(kept), kept
-    ref = ctx.actors.learner.update.remote(samples, ctx.cfg.pipeline.max_staleness)
-    return ref, signal, dropped
-
-
-def sync_adapters(actors: Actors) -> None:
-    """Learner -> object store -> inference server, all adapters in one flat buffer.
-
-    The ObjectRef goes straight to the inference server: the tensors never visit the driver
-    and never touch a disk."""
-    ray.get(actors.inference.sync_packed.remote(actors.learner.export_packed.remote()))
+    refs = ctx.actors.learner.update(samples, ctx.cfg.pipeline.max_staleness)
+    return refs, signal, dropped
 
 
 def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
@@ -319,9 +311,9 @@ def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
     actors = ctx.actors
     events = ray.get(actors.population.plan_replacements.remote(step))
     for e in events:
-        ray.get(actors.learner.spawn_child.remote(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed))
+        actors.learner.spawn_child(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed)
     if events:
-        sync_adapters(actors)
+        actors.sync(ctx.version)
     return [(e, retention(ctx, e)) for e in events]
 
 
@@ -503,7 +495,7 @@ def seed_buffer(cfg: Config, actors: Actors) -> TaskBuffer:
 
 def save_adapters(ctx: StepContext) -> None:
     """The living members' adapters as PEFT dirs; members replaced since are removed."""
-    states = ray.get(ctx.actors.learner.export_adapters.remote())
+    states = ctx.actors.learner.export_adapters()
     for stale in (ctx.run.path / "adapters").iterdir():
         if stale.name not in states:
             shutil.rmtree(stale)
@@ -517,8 +509,8 @@ def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = Non
     no call is in flight while this runs, so the checkpoint is a drained boundary."""
     start = time.perf_counter()
     a = ctx.actors
-    learner, inference, population = ray.get(
-        [a.learner.state_dict.remote(), a.inference.state_dict.remote(), a.population.state_dict.remote()])
+    learner, inference = a.learner.state_dict(), a.inference.state_dict()
+    population = ray.get(a.population.state_dict.remote())
     driver = {
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
         "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
@@ -534,10 +526,9 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     next step's samples when they were generated before it was written."""
     step, parts = checkpoint.load(checkpoint.find(ctx.run.path))
     a = ctx.actors
-    ray.get([a.learner.load_state_dict.remote(parts["learner"]),
-             a.inference.load_state_dict.remote(parts["inference"]),
-             a.population.load_state_dict.remote(parts["population"])])
-    sync_adapters(a)
+    a.learner.load_state_dict(parts["learner"])
+    a.inference.load_state_dict(parts["inference"])
+    ray.get(a.population.load_state_dict.remote(parts["population"]))
     d = parts["driver"]
     ctx.buffer.load_state_dict(d["buffer"])
     ctx.rng.bit_generator.state = d["rng"]
@@ -547,15 +538,15 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     ctx.run.load_state_dict(d["tables"])
     ctx.coverage = set(d.get("coverage", []))  # checkpoints from before coverage: counted from here on
     ctx.version = d.get("version", 0)
+    a.sync(ctx.version)
     return step, d.get("pending")
 
 
 def start_run(cfg: Config, actors: Actors, ctx_factory) -> StepContext:
     """A fresh run: initial adapters, the seed task buffer, and checkpoint 0."""
     members = ray.get(actors.population.members.remote())
-    ray.get(actors.learner.init_members.remote(
-        list(dict.fromkeys(members["teachers"] + members["students"])), cfg.run.seed))
-    sync_adapters(actors)
+    actors.learner.init_members(member_names(members), cfg.run.seed)
+    actors.sync(0)
     return ctx_factory(seed_buffer(cfg, actors))
 
 

@@ -8,12 +8,15 @@ import time
 from dataclasses import dataclass
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inference import InferenceServer
 from actors.learner import Learner
 from actors.population import PopulationManager
 from actors.verifier import VerifierPool
 from driver.config import Config, ConfigError
+from driver.fleet import Replicas, Shards, assign_shards
 from multilora import allocator
 from multilora.embedded import resolve_model_path
 from multilora.model import LoraSpec
@@ -56,23 +59,50 @@ def start_ray(cfg: Config) -> None:
 
 @dataclass
 class Actors:
-    inference: ray.actor.ActorHandle
-    learner: ray.actor.ActorHandle
+    inference: Replicas  # inference.replicas engines behind one generate
+    learner: Shards  # learner.shards learners, each owning a share of the members
     population: ray.actor.ActorHandle
     verifier: VerifierPool
     model_path: str
     spec: LoraSpec
-    incarnations: tuple[str, ...] = ()
+    placement: PlacementGroup | None = None  # the bundles of the replicas and shards (cluster)
+    population_incarnation: str = ""
 
-    def stateful(self) -> tuple[ray.actor.ActorHandle, ...]:
-        return self.inference, self.learner, self.population
+    def ready(self) -> None:
+        """Wait until every stateful actor is up; record each one's incarnation."""
+        self.inference.ready()
+        self.learner.ready()
+        self.population_incarnation = ray.get(self.population.ready.remote())
 
     def restarted(self) -> bool:
-        """True when a stateful actor is dead or was restarted by Ray (and lost its state)."""
+        """True when a stateful actor is dead or was restarted by Ray (and lost its state).
+        A replica replaced after a failed call is not: `Replicas` synced it and recorded it."""
+        expected = (*self.inference.incarnations, *self.learner.incarnations, self.population_incarnation)
+        handles = (*self.inference.handles, *self.learner.handles, self.population)
         try:
-            return tuple(ray.get([h.ready.remote() for h in self.stateful()], timeout=120)) != self.incarnations
+            return tuple(ray.get([h.ready.remote() for h in handles], timeout=120)) != expected
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return True
+
+    def generate(self, adapters: list[str], prompts: list[str], params: list, prefixes: list[str] | None = None):
+        """Completions per request, from the replicas (results in request order)."""
+        return self.inference.generate(adapters, prompts, params, prefixes)
+
+    def sync(self, version: int) -> None:
+        """Learner shards -> object store -> every replica: one packed object per shard,
+        read by every replica; the tensors never visit the driver or a disk."""
+        self.inference.sync(self.learner.export_packed(), version)
+
+
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    c = cfg.learner
+    return TrainerSettings(lr=c.lr, weight_decay=c.weight_decay, clip_eps=c.clip_eps, max_grad_norm=c.max_grad_norm,
+                           micro_batch=c.micro_batch, epochs=c.epochs, is_cap=c.is_cap)
+
+
+def member_names(members: dict[str, list[str]]) -> list[str]:
+    """The population's members in order, teachers then students (the single agent once)."""
+    return list(dict.fromkeys(members["teachers"] + members["students"]))
 
 
 def lora_spec(cfg: Config) -> LoraSpec:
@@ -97,13 +127,32 @@ def _free_name(name: str, timeout_s: float = 30.0) -> str:
         time.sleep(0.2)
 
 
-def actor_threads(cfg: Config) -> int:
-    """Torch threads of the inference server and the learner (0: leave torch's default).
+def actor_threads(cfg: Config, per_core_share: int = 1) -> int:
+    """Torch threads of one inference replica or learner shard (0: leave torch's default).
 
-    Ray gives actors without CPUs one OpenMP thread; on one machine the phases run one after
-    the other, so there the heavy actors take every core unless `ray.torch_threads` is set
-    (on a machine shared with other jobs, fewer threads spin less in OpenMP barriers)."""
-    return cfg.ray.torch_threads or (0 if cfg.ray.address else (os.cpu_count() or 1))
+    Ray gives actors without CPUs one OpenMP thread; on one machine the generation and the
+    update run one after the other, so there the replicas share the cores among them and
+    so do the shards (`per_core_share`: how many run at once) unless `ray.torch_threads` is
+    set (on a machine shared with other jobs, fewer threads spin less in OpenMP barriers).
+    Two replicas and two shards on two cores: one thread each."""
+    if cfg.ray.torch_threads or cfg.ray.address:
+        return cfg.ray.torch_threads
+    return max(1, (os.cpu_count() or 1) // per_core_share)
+
+
+def placement(cfg: Config) -> PlacementGroup | None:
+    """A placement group of one bundle per replica, then one per shard, spread over the
+    nodes (Ray's SPREAD: across GPU nodes on a cluster), when the heavy actors reserve
+    resources (`ray.actor_cpus`, `ray.*_gpus`); None when they reserve none (one machine:
+    nothing to place, the operating system spreads the threads over the cores)."""
+    r = cfg.ray
+    inference = {k: v for k, v in (("CPU", r.actor_cpus), ("GPU", r.inference_gpus)) if v}
+    learner = {k: v for k, v in (("CPU", r.actor_cpus), ("GPU", r.learner_gpus)) if v}
+    if not inference and not learner:
+        return None
+    # a bundle may not be empty: an actor without resources gets a token CPU share in it
+    bundles = ([inference or {"CPU": 0.01}] * cfg.inference.replicas + [learner or {"CPU": 0.01}] * cfg.learner.shards)
+    return placement_group(bundles, strategy="SPREAD", name=f"populora-{cfg.run.name}")
 
 
 def heavy_actor_env(cfg: Config) -> dict:
@@ -125,52 +174,64 @@ def model_dir_error(text: str) -> str | None:
 def create_actors(cfg: Config) -> Actors:
     model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
     spec = lora_spec(cfg)
-    threads = actor_threads(cfg)
     env = heavy_actor_env(cfg)
-    inference = InferenceServer.options(name=_free_name("InferenceServer"), num_cpus=cfg.ray.actor_cpus,
-                                        num_gpus=cfg.ray.inference_gpus, runtime_env=env).remote(
-        cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
-        cfg.run.seed, threads,
-    )
-    settings = TrainerSettings(
-        lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, clip_eps=cfg.learner.clip_eps,
-        max_grad_norm=cfg.learner.max_grad_norm, micro_batch=cfg.learner.micro_batch, epochs=cfg.learner.epochs,
-        is_cap=cfg.learner.is_cap,
-    )
+    R, M = cfg.inference.replicas, cfg.learner.shards
+    pg = placement(cfg)
+
+    def placed(bundle: int) -> dict:
+        if pg is None:
+            return {}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+    def make_replica(i: int) -> ray.actor.ActorHandle:
+        # one replica: Ray restarts it (and the run restores its checkpoint); several: a dead
+        # one is replaced by `Replicas`, its requests retried on the others
+        return InferenceServer.options(
+            name=_free_name("InferenceServer" if R == 1 else f"InferenceServer-{i}"), num_cpus=cfg.ray.actor_cpus,
+            num_gpus=cfg.ray.inference_gpus, runtime_env=env, max_restarts=2 if R == 1 else 0, **placed(i),
+        ).remote(cfg.inference.backend, model_path, spec, n_slots(cfg), cfg.model.dtype, cfg.inference.max_batch,
+                 cfg.run.seed + i, actor_threads(cfg, R))
+
+    settings = trainer_settings(cfg)
     deepspeed = None
     if cfg.learner.strategy == "deepspeed":
         from multilora.deepspeed_strategy import DeepSpeedSettings  # pure dataclass: no deepspeed import
 
         deepspeed = DeepSpeedSettings(zero_stage=cfg.learner.zero_stage, bf16={"bfloat16": True, "auto": None}.get(cfg.model.dtype, False),
                                       offload_optimizer=cfg.learner.offload_optimizer)
-    learner = Learner.options(name=_free_name("Learner"), num_cpus=cfg.ray.actor_cpus,
-                              num_gpus=cfg.ray.learner_gpus, runtime_env=env).remote(
-        model_path, spec, n_slots(cfg), settings, cfg.model.dtype, threads, deepspeed
-    )
     p = cfg.population
     population = PopulationManager.options(name=_free_name("PopulationManager"), num_cpus=0).remote(
         mode=p.mode, teachers=p.teachers, students=p.students, seed=cfg.run.seed, operators=p.operators,
         pfsp_weighting=p.pfsp_weighting, pfsp_p=p.pfsp_p, tournament_k=p.tournament_k, child_sigma=p.child_sigma,
         min_games=p.min_games,
     )
+    shard_of = assign_shards(member_names(ray.get(population.members.remote())), M)
+    learners = [Learner.options(name=_free_name("Learner" if M == 1 else f"Learner-{k}"), num_cpus=cfg.ray.actor_cpus,
+                                num_gpus=cfg.ray.learner_gpus, runtime_env=env, **placed(R + k)).remote(
+        model_path, spec, sum(1 for s in shard_of.values() if s == k), settings, cfg.model.dtype,
+        actor_threads(cfg, M), deepspeed) for k in range(M)]
     v = cfg.verifier
     pool = VerifierPool(min_workers=v.min_workers, max_workers=v.max_workers, chunk_size=v.chunk_size,
                         timeout_s=v.timeout_s, memory_mb=v.memory_mb)
-    actors = Actors(inference, learner, population, pool, model_path, spec)
+    actors = Actors(Replicas(make_replica, R), Shards(learners, shard_of), population, pool, model_path, spec, pg)
     try:
-        actors.incarnations = tuple(ray.get([h.ready.remote() for h in actors.stateful()]))
+        actors.ready()
     except ray.exceptions.RayActorError as e:
         stop_actors(actors)
         missing = model_dir_error(str(e))
         if missing:  # the model is not where an actor runs: a config error, named by the actor's node
             raise ConfigError(missing) from None
         raise
-    log.info("allocator of the inference server / learner: %s / %s (ray.allocator: %s)",
-             *ray.get([inference.allocator.remote(), learner.allocator.remote()]), cfg.ray.allocator)
+    log.info("allocator of the inference servers / learners: %s / %s (ray.allocator: %s)",
+             *ray.get([actors.inference.handles[0].allocator.remote(), learners[0].allocator.remote()]),
+             cfg.ray.allocator)
     return actors
 
 
 def stop_actors(actors: Actors) -> None:
     actors.verifier.shutdown()
-    for handle in actors.stateful():
-        ray.kill(handle, no_restart=True)
+    actors.inference.kill()
+    actors.learner.kill()
+    ray.kill(actors.population, no_restart=True)
+    if actors.placement is not None:
+        remove_placement_group(actors.placement)

@@ -33,6 +33,7 @@ KEYS = {
                  "novel_trend_vs_control", "machine"],
     "pipeline": ["seconds_per_step", "overlapped_vs_lockstep_step_time", "overlap_share", "learning",
                  "learning_noise", "learning_difference", "dropped_samples", "machine"],
+    "scale": ["replicas_2_vs_1", "shards_2_vs_1", "step_2x2_vs_1x1", "phase_seconds", "machine"],
     "gpu_check": ["step8_vs_step1", "mixed8_vs_bare_hf", "mixed8_vs_single", "lora_A_changed_fraction"],
 }
 

@@ -70,7 +70,7 @@ def test_killed_learner_is_restored_and_the_run_goes_on(uninterrupted, tmp_path)
     def kill_learner_once(step, ctx):
         if step == 3 and not killed:
             killed.append(step)
-            ray.kill(ctx.actors.learner, no_restart=False)  # Ray restarts it, empty
+            ray.kill(ctx.actors.learner.handles[0], no_restart=False)  # Ray restarts it, empty
 
     run = train(_cfg(tmp_path, "faulty", 4), on_step=kill_learner_once)
     assert killed == [3]
@@ -83,7 +83,7 @@ def test_killed_inference_server_is_restored(uninterrupted, tmp_path):
     def kill_server_once(step, ctx):
         if step == 1 and not killed:
             killed.append(step)
-            ray.kill(ctx.actors.inference, no_restart=True)  # dead for good: recreated
+            ray.kill(ctx.actors.inference.handles[0], no_restart=True)  # dead for good: recreated
 
     run = train(_cfg(tmp_path, "faulty2", 4), on_step=kill_server_once)
     assert killed == [1]
@@ -150,7 +150,7 @@ def test_overlapped_killed_learner_is_restored(overlapped_run, tmp_path):
     def kill_learner_once(step, ctx):
         if step == 3 and not killed:
             killed.append(step)
-            ray.kill(ctx.actors.learner, no_restart=False)  # mid-overlap: step 4 is being generated next
+            ray.kill(ctx.actors.learner.handles[0], no_restart=False)  # mid-overlap: step 4 is being generated next
 
     run = train(_cfg(tmp_path, "overlap-faulty", 4, OVERLAP), on_step=kill_learner_once)
     assert killed == [3]
