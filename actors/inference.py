@@ -9,6 +9,7 @@ learner -> object store -> here, never through the driver or a disk (vllm: tmpfs
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import ray
@@ -79,6 +80,7 @@ class InferenceServer:
                  max_batch: int = 32, seed: int = 0, threads: int = 0) -> None:
         self.incarnation = uuid.uuid4().hex
         check_model_dir(model_path)  # here, on the node that loads it
+        model_path = os.path.expanduser(model_path)  # `~`: this node's home
         if threads:
             torch.set_num_threads(threads)
         self.engine = create_engine(backend, model_path, spec, n_slots, dtype, max_batch, seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -141,6 +142,7 @@ class Learner:
                  dtype: str = "auto", threads: int = 0, deepspeed=None) -> None:
         self.incarnation = uuid.uuid4().hex
         check_model_dir(model_path)  # here, on the node that loads it
+        model_path = os.path.expanduser(model_path)  # `~`: this node's home
         if threads:
             torch.set_num_threads(threads)
         self.core = LearnerCore(model_path, spec, n_slots, settings, dtype, deepspeed)

@@ -19,7 +19,7 @@ replicas or two shards have a core each. Three measures, one process, embedded R
   Beside it the phase times of each, so what bounds the step (the verifier, the driver)
   shows: `phase_seconds`.
 
-`--quick`: 3 reps of the first two, 3 steps per run of the third (~15 min on 2 cores).
+`--quick`: 3 reps of the first two, 3 steps per run of the third (~16 min on 2 cores).
 `--smoke`: the tiny random model, 1 rep, 2 steps: checks the bench runs. One JSON line,
 bench/results/scale.json.
 """
@@ -178,7 +178,7 @@ def step_measure(config: Path, steps: int, base: list[str], root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="3 reps, 3 steps per run (~15 min on 2 cores)")
+    mode.add_argument("--quick", action="store_true", help="3 reps, 3 steps per run (~16 min on 2 cores)")
     mode.add_argument("--smoke", action="store_true", help="tiny random model, 1 rep, 2 steps: checks the bench runs")
     parser.add_argument("--reps", type=int, default=None, help="reps of the engine measures (default 5; quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run of the step measure (default 4)")

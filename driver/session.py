@@ -152,7 +152,7 @@ def placement(cfg: Config) -> PlacementGroup | None:
         return None
     # a bundle may not be empty: an actor without resources gets a token CPU share in it
     bundles = ([inference or {"CPU": 0.01}] * cfg.inference.replicas + [learner or {"CPU": 0.01}] * cfg.learner.shards)
-    return placement_group(bundles, strategy="SPREAD", name=f"populora-{cfg.run.name}")
+    return placement_group(bundles, strategy="SPREAD")
 
 
 def heavy_actor_env(cfg: Config) -> dict:
@@ -172,7 +172,10 @@ def model_dir_error(text: str) -> str | None:
 
 
 def create_actors(cfg: Config) -> Actors:
-    model_path = str(resolve_model_path(cfg.model.path))  # prepared once, before any actor loads it
+    # an embedded model is prepared once, here, before any actor loads it; a directory is
+    # passed as written (`~` included) and resolved where the actors run
+    embedded = cfg.model.path.startswith("embedded:")
+    model_path = str(resolve_model_path(cfg.model.path)) if embedded else cfg.model.path
     spec = lora_spec(cfg)
     env = heavy_actor_env(cfg)
     R, M = cfg.inference.replicas, cfg.learner.shards

@@ -1,5 +1,6 @@
 """The single-agent baseline: same code path, one adapter in both roles, same logs."""
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,8 +19,9 @@ def test_baseline_config_is_compute_matched(population, baseline):
     over = ["model.path=embedded:tiny-llama"] if "cluster" in population else []
     local, base = load_config(ROOT / "configs" / population, over), load_config(ROOT / "configs" / baseline, over)
     assert base.population.mode == "single" and local.population.mode == "population"
-    assert (base.tasks, base.run.steps, base.lora, base.learner) == (local.tasks, local.run.steps, local.lora,
-                                                                     local.learner)
+    # the learner the same but for its shards (one adapter needs one learner)
+    assert (base.tasks, base.run.steps, base.lora, dataclasses.replace(base.learner, shards=local.learner.shards)) \
+        == (local.tasks, local.run.steps, local.lora, local.learner)
     assert (base.model, base.inference) == (local.model, local.inference)
     assert base.run.name != local.run.name and base.run.output_dir == local.run.output_dir
     # per adapter: a teacher proposes proposals_per_type x types; with as many teachers as

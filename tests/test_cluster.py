@@ -44,12 +44,20 @@ def test_cluster_yaml_offers_every_resource_the_actors_request():
     # its example submits the cluster config, not the one-machine one
     header = (ROOT / "cluster.yaml").read_text().split("cluster_name:")[0]
     assert "--config configs/cluster-7b.yaml" in header and "configs/local.yaml" not in header
-    # the heavy actors ask for GPUs in the cluster config (its model path exists only there)
-    ray_section = yaml.safe_load((ROOT / "configs/cluster-7b.yaml").read_text()).get("ray", {})
-    gpus = {ray_section.get("inference_gpus", 0), ray_section.get("learner_gpus", 0)}
-    assert max(gpus) > 0, "the cluster config should put the inference server and learner on GPUs"
-    biggest = max(t.get("resources", {}).get("GPU", 0) for t in node_types.values())
-    assert biggest >= max(gpus), f"no node type offers {max(gpus)} GPUs"
+    # the heavy actors ask for GPUs in the cluster config (its model path exists only there):
+    # every replica and shard gets a GPU, and the GPU nodes hold them all at once
+    from driver.config import load_config
+
+    cfg = load_config(ROOT / "configs/cluster-7b.yaml", ["model.path=embedded:tiny-llama"])
+    r = cfg.ray
+    assert r.inference_gpus > 0 and r.learner_gpus > 0, "the cluster config should put its heavy actors on GPUs"
+    asked = cfg.inference.replicas * r.inference_gpus + cfg.learner.shards * r.learner_gpus
+    offered = sum(t.get("resources", {}).get("GPU", 0) * t["max_workers"] for t in node_types.values()
+                  if t.get("resources", {}).get("GPU"))
+    assert asked <= offered, f"cluster-7b asks for {asked} GPUs, cluster.yaml's GPU nodes offer {offered}"
+    assert all(t.get("resources", {}).get("GPU", 0) >= max(r.inference_gpus, r.learner_gpus)
+               for t in node_types.values() if t.get("resources", {}).get("GPU")), "a bundle must fit one node"
+    # (every arm of studies/cluster-7b.yaml, shard counts included, validates: tests/test_study.py)
 
 
 def _free_port() -> int:
@@ -99,3 +107,26 @@ def test_ray_job_submit_trains_on_a_separate_head(tiny_model_path, tmp_path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_actors_land_on_their_node_types_and_a_driver_without_the_model_starts(tmp_path):
+    """tests/cluster_demo.py in its own process: raylets with cluster.yaml's node types on
+    this machine, the model only on the GPU nodes; see its docstring."""
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/cluster_demo.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
+    assert out.is_file(), f"no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    s = json.loads(out.read_text())
+    assert "error" not in s, s["error"]
+    assert s["run_dir_has_metrics"], "the run on the cluster wrote no metrics"
+    placed = s["placed"]
+    # two replicas and two shards, on the GPU nodes only, spread over both
+    heavy = placed["InferenceServer"] + placed["Learner"]
+    assert len(placed["InferenceServer"]) == 2 and len(placed["Learner"]) == 2, placed
+    assert set(heavy) == {"gpu-a", "gpu-b"}, placed
+    assert set(placed["VerifierWorker"]) == {"verifier"}, placed
+    # the driver's node lacks the model and still started the run; a path no node holds
+    # stops it with the line naming the node
+    assert re.search(r"model.path: '/nonexistent/model' is not a directory on node \S+", s["missing_model"]), \
+        s["missing_model"]
