@@ -35,9 +35,22 @@ def _bf16_supported() -> bool:
         return False
 
 
+@functools.cache
+def _fp32_supported() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def supported(weight: torch.Tensor) -> bool:
-    """True where a packed copy of `weight` can stand in for it (bf16 on a oneDNN CPU)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _bf16_supported()
+    """True where a packed copy of `weight` can stand in for it: bf16 on a CPU with oneDNN
+    bf16, fp32 on a CPU with oneDNN."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.bfloat16:
+        return _bf16_supported()
+    return weight.dtype == torch.float32 and _fp32_supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
