@@ -22,9 +22,11 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   CPU); prefill uses the fused causal kernel. A decode step's layer parts (packed
   products, norms, activation) are resolved once per routing (`Blocks.layer_ops`), not
   looked up and checked at every step.
-- **Packed weights.** On a CPU with oneDNN bf16, a bf16 base's projections, LM head and
-  the adapters' stacks are multiplied through copies reordered once into oneDNN's layout
-  (`multilora.packed`), not reordered on every call: same numbers, faster. Projections
+- **Packed weights.** On a CPU with oneDNN (bf16 bases: with oneDNN bf16), the base's
+  projections, LM head and the adapters' stacks are multiplied through copies reordered
+  once into oneDNN's layout (`multilora.packed`), not reordered on every call: in bf16 the
+  same numbers, in fp32 oneDNN's instead of MKL's (summed in another order: ~1e-6 apart),
+  faster in both. Projections
   that read the same input (q/k/v; gate/up) are one product each, base and LoRA factors
   alike (`multilora.layer.packed_group`).
 - **Continuous batching.** Rows are slots: when a row finishes, the next waiting rollout
@@ -299,7 +301,7 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
     """`params.n` completions per request (`multilora.sampling.GenerationRequest`), as
     lists of `Completion` in request order; see the module docstring."""
     routing = model.routing
-    previous, routing.packed = routing.packed, True  # packed bf16 weights (`multilora.packed`)
+    previous, routing.packed = routing.packed, True  # packed weights (`multilora.packed`)
     try:
         return _decode(model, tokenizer, requests, max_batch, generator)
     finally:

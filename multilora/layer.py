@@ -280,7 +280,7 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     the dense kernel of `MultiLoraLinear`, over the slots the batch
     uses only: a propose phase of 2 teachers in a population of 4 computes 2 slots, not 4).
     None where it does not apply (then call the modules): decoding only (`Routing.packed`,
-    no gradients), bf16 weights on a oneDNN CPU, the same routing, rank and scaling, biases
+    no gradients), bf16 or fp32 weights on a oneDNN CPU (`multilora.packed.supported`), the same routing, rank and scaling, biases
     on all modules or on none.
 
     Prefill with adapters (several tokens per row): the fused base product, then each

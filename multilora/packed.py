@@ -1,4 +1,4 @@
-"""Prepacked bf16 weights for decoding on the CPU (oneDNN).
+"""Prepacked weights for decoding on the CPU (oneDNN), bf16 and fp32.
 
 A bf16 `F.linear` on the CPU hands the weight to oneDNN, which reorders it into its
 blocked layout on every call: at decode batch sizes (16 rows x 1 token) that reorder costs
@@ -10,11 +10,19 @@ tokens, 1 thread, bf16: no-LoRA decode 7.2 s -> 5.6 s; with the LoRA stacks pack
 well, 8 adapters mixed 10.8 s -> 7.8 s (and 6.9 s with q/k/v and gate/up fused,
 `multilora.layer.packed_group`).
 
+An fp32 `F.linear` goes to MKL's sgemm instead, unpacked; oneDNN's fp32 product on a
+packed copy was 1.3-1.9x faster at 16 rows for this model's shapes (the LM head 24.7 ->
+12.7 ms, gate/up fused 845 -> 535 us; AVX512 CPU, 1 thread) and sums in another order
+(outputs ~1e-6 apart, as two GEMM libraries are): an fp32 base decodes through it too
+(no-LoRA decode 11.3 s -> 6.9 s, 8 adapters mixed 13.7 s -> 9.1 s, `bench.multilora
+--dtype float32`). The learner's log-probs are computed through the modules as before.
+
 Only for inference: the packed copy has no autograd, and it is an extra copy of the
 weight (the original stays, for training and for every other path), so it is built on
-first use by the decode loop, for bf16 weights on a CPU with oneDNN bf16 support, and
-nowhere else. The cost is one more bf16 copy of the base's projections and LM head in the
-process that decodes (the inference engine; ~270 MB for SmolLM2-135M).
+first use by the decode loop, for bf16 weights on a CPU with oneDNN bf16 support or fp32
+weights on a CPU with oneDNN, and nowhere else. The cost is one more copy of the base's
+projections and LM head in the process that decodes (the inference engine; for
+SmolLM2-135M ~270 MB in bf16, ~540 MB in fp32).
 """
 
 from __future__ import annotations

@@ -28,8 +28,19 @@ def test_packed_linear_is_the_linear(rows, with_bias):
     assert torch.equal(packed.linear(x, packed.pack(weight), bias), F.linear(x, weight, bias))
 
 
+@pytest.mark.skipif(not packed.supported(torch.zeros(1, 1)), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_packed_fp32_linear_is_the_linear_to_rounding(rows):
+    """fp32: oneDNN's product on the packed copy against MKL's `F.linear`: the same sums in
+    another order, so equal to fp32 rounding (not bitwise)."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(rows, 3, 64, generator=g)
+    assert torch.allclose(packed.linear(x, packed.pack(weight), bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_weights_and_gradients_take_the_module():
-    lin = torch.nn.Linear(8, 4)  # fp32: not packed
+    lin = torch.nn.Linear(8, 4)  # a trainable weight: not packed
     x = torch.randn(2, 8)
     with torch.inference_mode():
         assert packed_group([lin], x) is None
