@@ -162,7 +162,15 @@ class Replicas:
         """Every replica serves exactly the adapters in `packed` (one object per learner
         shard), version `version`; returns when all hold them."""
         self.packed, self.version = list(packed), version
-        ray.get([h.sync_packed.remote(*self.packed) for h in self.handles])
+        refs = [h.sync_packed.remote(*self.packed) for h in self.handles]
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except RayActorError:
+                if len(self.handles) == 1:  # one replica: the run's recovery takes over
+                    raise
+                log.warning("inference replica %d died during a sync; replacing it", r)
+                self.replace(r)
 
     def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
                  prefixes: list[str] | None = None) -> list[RequestOutput]:
