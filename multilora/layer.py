@@ -224,6 +224,18 @@ class PackedGroup:
         return list(out.split(self.sizes, dim=-1))
 
 
+class PackedCache(dict):
+    """A module's packed copies (`group_plan`). oneDNN's packed tensors cannot be copied or
+    pickled, and need not be: a copy of the module starts with an empty cache and packs
+    again on first use."""
+
+    def __deepcopy__(self, memo) -> PackedCache:
+        return PackedCache()
+
+    def __reduce__(self):
+        return PackedCache, ()
+
+
 def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) -> PackedGroup | None:
     """The `PackedGroup` of `modules` for inputs of `dtype` under their routing's current
     slots, or None where packed products do not apply (`packed_group`). `lora=False`: the
@@ -245,7 +257,7 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
         return None
     if len({b.bias is None for b in bases}) != 1:
         return None
-    cache = modules[0].__dict__.setdefault("_populora_group", {})
+    cache = modules[0].__dict__.setdefault("_populora_group", PackedCache())
     if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
         bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
         cache.clear()

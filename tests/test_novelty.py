@@ -59,12 +59,13 @@ def _reply(program: str, inp: str) -> str:
     return f"<answer>\n```python\n{program}```\n```input\n{inp}\n```\n</answer>"
 
 
-class _Inference:
-    def __init__(self, texts):
-        self.texts = texts
-        self.generate = SimpleNamespace(remote=self._generate)
+class _Actors:
+    """The run's actors as `propose_jobs` sees them: canned replies, a recording verifier."""
 
-    def _generate(self, adapters, prompts, params, prefixes):
+    def __init__(self, texts, verifier):
+        self.texts, self.verifier = texts, verifier
+
+    def generate(self, adapters, prompts, params, prefixes):
         assert len(prompts) == len(self.texts)
         return [SimpleNamespace(prompt_ids=(1, 2), completions=(SimpleNamespace(
             text=t, token_ids=(3, 4), supplied=(), logprobs=()),)) for t in self.texts]
@@ -80,14 +81,13 @@ class _Verifier:
 
 
 @pytest.mark.parametrize("reject", [True, False])
-def test_a_copy_is_rejected_with_its_reason_only_when_asked(monkeypatch, reject):
+def test_a_copy_is_rejected_with_its_reason_only_when_asked(reject):
     cfg = load_config(ROOT / "configs/test.yaml", ["tasks.constrained_format=false", "tasks.answer_prefix=false",
                                                    "tasks.require_answer_close=false",
                                                    f"tasks.reject_copies={str(reject).lower()}"])
-    monkeypatch.setattr(loop, "ray", SimpleNamespace(get=lambda x: x))
     verifier = _Verifier()
-    ctx = SimpleNamespace(cfg=cfg, actors=SimpleNamespace(inference=_Inference(
-        [_reply(SEED_PROGRAMS[0].program, '"a b"'), _reply(NEW, "[3, 6]")]), verifier=verifier))
+    ctx = SimpleNamespace(cfg=cfg, actors=_Actors([_reply(SEED_PROGRAMS[0].program, '"a b"'), _reply(NEW, "[3, 6]")],
+                                                  verifier))
     jobs = [("t0", "code_o", [REFERENCE]), ("t0", "code_o", [REFERENCE])]
     copy, new = loop.propose_jobs(ctx, jobs, step=1)
     assert copy.copy_of == "seed 1" and new.copy_of is None
