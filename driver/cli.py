@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from driver.config import Config, ConfigError, config_sources, load_config
@@ -69,7 +71,28 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command; SIGINT and SIGTERM stop it as Ctrl-C does (a run stops its actors and
+    its Ray, a study its runs), also where a shell started it in the background with SIGINT
+    ignored (`nohup populora study ... &`) or `ray job stop` sends SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        print(f"populora: stopped ({e or 'SIGINT'})", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare-model":
         from multilora.embedded import EMBEDDED_MODELS, prepare

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +45,16 @@ def _spec(tmp_path: Path, **changes) -> Path:
 def test_local_spec_is_the_papers_comparison():
     study = parse_spec(ROOT / "studies" / "local.yaml")
     configs = check_study(study)
-    assert [a.name for a in study.arms] == ["1T1S", "2T2S", "4T4S", "baseline", "no-learning", "no-evolution"]
+    assert [a.name for a in study.arms] == ["1T1S", "2T2S", "4T4S", "baseline", "no-learning", "no-evolution",
+                                            "overlapped"]
     assert len(study.seeds) == 3 and (study.baseline, study.control) == ("baseline", "no-learning")
     cfg = configs["2T2S-s0"]
     k = cfg.population.evolve_every
     # the last third of the steps comes after two evolution events
     assert study.steps - study.steps // 3 >= 2 * k, (study.steps, k)
     assert configs["no-learning-s0"].learner.lr == 0 and configs["no-evolution-s0"].population.evolve_every == 0
+    # the controls differ from 2T2S in one thing each
+    assert configs["overlapped-s0"].pipeline.max_staleness == 1 and cfg.pipeline.max_staleness == 0
     assert configs["baseline-s1"].population.mode == "single" and configs["baseline-s1"].run.seed == 1
     assert (configs["4T4S-s2"].population.teachers, configs["4T4S-s2"].population.students) == (4, 4)
     # compute-matched per adapter: every arm proposes and solves as much per adapter
@@ -208,3 +214,57 @@ def test_finished_study_is_skipped(smoke):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done 3/3" in proc.stdout and "start" not in proc.stdout and "resume" not in proc.stdout, proc.stdout
     assert metrics.stat().st_mtime_ns == mtime
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_study_in_the_background_stops_its_runs_on_sigint(tiny_model_path, tmp_path):
+    """`nohup populora study ... &` starts the study with SIGINT ignored (a non-interactive
+    shell does that to background jobs): SIGINT (and SIGTERM) must still stop the study, its
+    runs and their Ray, and the study resumes afterwards."""
+    out = tmp_path / "smoke"
+    runs: list[int] = []
+    proc = subprocess.Popen([sys.executable, "-m", "driver", "study", "--smoke", "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 300
+        # a run is training once its first checkpoint is written
+        while not list(out.glob("runs/*/checkpoint/manifest.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.5)
+        runs = _children(proc.pid)
+        assert runs
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, stdout
+        assert "interrupted: stopping the runs" in stdout, stdout
+        deadline = time.monotonic() + 30
+        while not all(_gone(pgid) for pgid in runs):  # each run was its own process group, Ray included
+            assert time.monotonic() < deadline, f"left running: {[p for p in runs if not _gone(p)]}"
+            time.sleep(0.5)
+    finally:
+        for pgid in [proc.pid, *runs]:  # nothing outlives a failed test
+            if not _gone(pgid):
+                os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+    dry = _run([sys.executable, "-m", "driver", "study", "--smoke", "--out", str(out), "--dry-run"], timeout=300)
+    assert "resume" in dry.stdout, dry.stdout
