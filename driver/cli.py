@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as e:
-        print(f"populora: stopped ({e or 'SIGINT'})", file=sys.stderr)
+        print(f"populora: stopped ({e or 'interrupted'})", file=sys.stderr)
         return 130
     finally:
         for s, handler in previous.items():
