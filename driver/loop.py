@@ -293,7 +293,8 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef]
                            valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
                            solved_rollouts=sum(r.correct for r in rollouts),
                            malformed_rollouts=sum(r.malformed for r in rollouts))
-    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs)
+    temperature = ctx.cfg.tasks.temperature  # every training row is sampled at it (`sampling`)
+    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs, temperature)
                for (adapter, _, _, prompt, completion, _, supplied, logprobs), adv in zip(rows, advantages)]
     dropped = 0
     if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go

@@ -50,7 +50,7 @@ class Proposal:
     copy_of: str | None = None
     exact_copy: bool = False
     # log pi_behaviour of each completion token under the adapter version that sampled it
-    # (the engine's raw-logit log-probs; empty when the engine did not report them)
+    # (the engine's, at the sampling temperature: `Completion.logprobs`; empty when it did not report them)
     logprobs: tuple[float, ...] = ()
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from multilora.logprobs import clipped_pg_loss, token_logprobs
+from multilora.logprobs import clipped_pg_loss, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
 from multilora.trainer import TrainerSettings, TrainSample, importance_weights, micro_batches, pack_samples
 
@@ -184,11 +184,12 @@ class DeepSpeedPolicyTrainer:
             packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
                                                            packed.completion_mask)))
             with torch.no_grad():
-                old_logp = token_logprobs(self.model, packed, adapters)
+                temps = torch.tensor([mine[i].temperature or 1.0 for i in idx])
+                old_logp, tempered = token_logprobs_tempered(self.model, packed, adapters, temps)
             logp = token_logprobs(self.model, packed, adapters)
             adv = torch.tensor([mine[i].advantage for i in idx], dtype=logp.dtype, device=device)
             # rows sampled before the last update: truncated importance weights, as the torch trainer
-            w, _ = importance_weights(mine, idx, old_logp, packed.completion_mask, self.settings.is_cap)
+            w, _ = importance_weights(mine, idx, tempered, packed.completion_mask, self.settings.is_cap)
             adv = adv if w is None else adv[:, None] * w
             per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
             weights = torch.tensor([self.world / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=device)

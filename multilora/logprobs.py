@@ -65,6 +65,22 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     once (`_shared_prompt_logprobs`), other batches take one causal pass
     (`_causal_logprobs`); any other model runs its own forward.
     """
+    return _token_logprobs(model, batch, adapters, None)[0]
+
+
+def token_logprobs_tempered(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+                            temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs`, and beside it, detached, the log-probs of the same tokens under each
+    row's tempered policy softmax(logits / temperatures[row]) (a row's sampling temperature),
+    from the same LM-head pass: the learner's side of the importance weights
+    (`multilora.trainer.importance_weights`). A row of temperature 1 gets its log-probs."""
+    logp, tempered = _token_logprobs(model, batch, adapters, temperatures)
+    return logp, tempered
+
+
+def _token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+                    temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, and with `temperatures` (per row) the tempered log-probs too."""
     # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes
     # them. Checked, and the prompts grouped, on the batch as given (no device round trip)
     mask = batch.attention_mask
@@ -73,14 +89,17 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     device = model.device
     batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
                         batch.prompt_lengths)
+    if temperatures is not None:
+        temperatures = temperatures.to(device=device, dtype=torch.float32)
     if not layered:
-        return _forward_logprobs(model, batch, adapters)
+        return _forward_logprobs(model, batch, adapters, temperatures)
     if groups is not None:
-        return _shared_prompt_logprobs(model, batch, adapters, groups)
-    return _causal_logprobs(model, batch, adapters)
+        return _shared_prompt_logprobs(model, batch, adapters, groups, temperatures)
+    return _causal_logprobs(model, batch, adapters, temperatures)
 
 
-def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
+def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+                      temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through the model's own forward (any architecture)."""
     base = model.base
     with model.route(adapters):
@@ -88,10 +107,50 @@ def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Seque
     hidden = hidden[:, :-1, :]
     targets = batch.input_ids[:, 1:]
     where = batch.completion_mask.bool()
-    picked = picked_logprobs(base.get_output_embeddings()(hidden[where]), targets[where])
-    out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
-    out[where] = picked
+    row_idx = where.nonzero(as_tuple=True)[0]
+    return _scatter(where, *_picked(base.get_output_embeddings()(hidden[where]), targets[where], temperatures, row_idx))
+
+
+def _picked(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None,
+            row_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`picked_logprobs`, and with `temperatures` (per batch row; `row_idx` maps each of
+    `logits`' rows to its batch row) the tempered log-probs of the same tokens, detached."""
+    picked = picked_logprobs(logits, targets)
+    if temperatures is None:
+        return picked, None
+    temps = temperatures[row_idx]
+    tempered = picked.detach().clone()
+    scaled = (temps != 1.0).nonzero().squeeze(1)
+    if scaled.numel():
+        tempered[scaled] = tempered_logprobs(logits.detach()[scaled], targets[scaled], temps[scaled])
+    return picked, tempered
+
+
+def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits[i] / temperatures[i])[targets[i]]` for every row, fp32 `[N]`, no
+    gradient; in chunks as `picked_logprobs` (no fp32 `[N, vocab]` copy)."""
+    rows, step = logits.shape[0], _chunk_rows(logits)
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for at in range(0, rows, step):
+            block = logits[at:at + step].float().div_(temperatures[at:at + step, None])
+            out[at:at + step] = (block.gather(1, targets[at:at + step, None]).squeeze(1)
+                                 - torch.logsumexp(block, dim=-1))
     return out
+
+
+def _scatter(where: torch.Tensor, picked: torch.Tensor, tempered: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-token values at the completion positions `where` as `[batch, T-1]` (0 elsewhere)."""
+    outs = []
+    for values in (picked, tempered):
+        if values is None:
+            outs.append(None)
+            continue
+        out = torch.zeros(where.shape, dtype=values.dtype, device=values.device)
+        out[where] = values
+        outs.append(out)
+    return outs[0], outs[1]
 
 
 # Bytes of a chunk's fp32 [tokens, vocab] block in `picked_logprobs`: on a CPU it stays in
@@ -160,7 +219,8 @@ def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int
     return list(groups.values())
 
 
-def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
+def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+                     temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of rows that share no prompt, in one causal pass through the layers
     (`llama_layers.Blocks`). The rows are right-padded, so causal attention alone keeps every
     real token from seeing a pad (pads come after it); a pad position's own output is never
@@ -168,7 +228,8 @@ def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequen
     forward builds a `[batch, 1, T, T]` padding mask and repeats each key/value head for
     every query head it serves (and sums the repeats' gradients back)."""
     blocks = Blocks(model, batch.input_ids.shape[1])
-    return _completion_logprobs(blocks, _causal_pass(model, blocks, batch.input_ids, adapters), batch)
+    return _completion_logprobs(blocks, _causal_pass(model, blocks, batch.input_ids, adapters), batch,
+                                temperatures=temperatures)
 
 
 def _causal_pass(model: MultiLoraModel, blocks, ids: torch.Tensor, adapters: Sequence[str],
@@ -193,22 +254,22 @@ def _causal_pass(model: MultiLoraModel, blocks, ids: torch.Tensor, adapters: Seq
     return h
 
 
-def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: torch.Tensor | None = None,
+                         temperatures: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[batch, T-1]` log-probs of the completion tokens from the last layer's hidden states
     `h` (`h[row, t - begin[row]]` is position `t` of the row; `begin`: 0 for every row by
-    default), through the final norm and the LM head at those positions only."""
+    default), through the final norm and the LM head at those positions only; with
+    `temperatures` the tempered ones too (`_picked`)."""
     where = batch.completion_mask.bool()
     row_idx, pos_idx = where.nonzero(as_tuple=True)
     hidden = blocks.inner.norm(h[row_idx, pos_idx if begin is None else pos_idx - begin[row_idx]])
-    picked = picked_logprobs(blocks.lm_head(hidden), batch.input_ids[row_idx, pos_idx + 1])
-    out = torch.zeros(where.shape, dtype=picked.dtype, device=picked.device)
-    out[where] = picked
-    return out
+    return _scatter(where, *_picked(blocks.lm_head(hidden), batch.input_ids[row_idx, pos_idx + 1], temperatures,
+                                    row_idx))
 
 
 def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
-                            groups: list[list[int]]) -> torch.Tensor:
+                            groups: list[list[int]], temperatures: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` with each group's shared prompt computed once.
 
     Two passes through the layers (`llama_layers.Blocks`): the prompts without their last token,
@@ -263,7 +324,7 @@ def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters:
         cos, sin = blocks.cos[positions][:, None], blocks.sin[positions][:, None]
         for i, layer in enumerate(layers):
             h = blocks.attention_block(i, layer, h, cos, sin, attend_rest)
-    return _completion_logprobs(blocks, h, batch, begin)
+    return _completion_logprobs(blocks, h, batch, begin, temperatures)
 
 
 def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

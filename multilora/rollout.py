@@ -5,7 +5,10 @@ the two cannot drift apart.
 A step, for every row of the batch's logits: the reply format's masks (`format_logits`:
 end of sequence masked while a format is unfinished, banned characters, openers, repeats),
 one sampled token (`multilora.sampling.sample`), or the format's next supplied token in
-its place, and the token's log-probability under the raw logits; then, per rollout, the
+its place, and the token's log-probability under the tempered policy softmax(logits / T)
+(the row's sampling temperature; 1 for a greedy row), before top-p and the format's masks:
+the behaviour log-prob the learner's importance weights compare with its own
+(`multilora.trainer.importance_weights`); then, per rollout, the
 end: the format closed, end of sequence (unless `ignore_eos`), a stop string in the text,
 or the token budget spent.
 """
@@ -62,7 +65,10 @@ class TokenStep:
         batch's shape), appended to its rollout; the tokens and the indices of the rows
         that finished."""
         logits = logits.float()
-        log_norm = torch.logsumexp(logits, dim=-1)
+        # the tempered policy's log-probs, from the logits before the format's masks
+        temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.device)[:, None]
+        tempered = logits / temp
+        log_norm = torch.logsumexp(tempered, dim=-1)
         cursors = [row.cursor if row is not None else None for row in rows]
         sample_from = format_logits(logits, cursors, self.tokenizer, self.eos_ids)
         tokens = sample(sample_from, temperature, top_p, self.generator).tolist()
@@ -70,7 +76,7 @@ class TokenStep:
         for k, cursor in enumerate(cursors):
             if cursor is not None and cursor.pending:
                 tokens[k], forced[k] = cursor.take_supplied(), True
-        picked = (logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1) - log_norm).tolist()
+        picked = (tempered.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1) - log_norm).tolist()
         finished = [k for k, row in enumerate(rows)
                     if row is not None and self._take(row, tokens[k], picked[k], forced[k])]
         return tokens, finished

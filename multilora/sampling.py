@@ -41,8 +41,12 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class Completion:
     """`supplied[t]`: token t was put in by the reply format, not sampled (empty: none
-    was). `logprobs[t]`: log pi(token t | everything before) under the model, from the
-    raw logits (before temperature, top-p or format masks), when the engine reports it."""
+    was). `logprobs[t]`: log pi_T(token t | everything before), the model's policy at the
+    request's sampling temperature T (softmax(logits / T); T = 1 for a greedy request), when
+    the engine reports it. The hf engines report it before top-p and the reply format's
+    masks; vLLM after them (its `processed_logprobs`: the distribution it sampled, which is
+    pi_T renormalised over the tokens the nucleus and the masks kept).
+    `multilora.trainer.importance_weights` says what that difference does."""
 
     text: str
     token_ids: tuple[int, ...]

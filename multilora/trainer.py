@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from multilora import allocator
-from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs
+from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
 
 
@@ -45,10 +45,12 @@ class TrainSample:
     advantage: float
     supplied: tuple[bool, ...] = ()
     version: int = 0  # the learner version (updates applied) of the adapter that sampled it
-    # log pi_behaviour(token t) under that version (the engine's raw-logit log-probs): given
-    # for a row sampled before the adapter's last update, it is importance-corrected
-    # (`importance_weights`); empty for a row of the current version (its weight is 1)
+    # log pi_behaviour(token t) under that version at the sampling temperature (the engine's
+    # `Completion.logprobs`): given for a row sampled before the adapter's last update, it
+    # is importance-corrected (`importance_weights`); empty for a row of the current version
+    # (its weight is 1)
     behaviour_logprobs: tuple[float, ...] = ()
+    temperature: float = 1.0  # the temperature the row was sampled at (0, greedy, counts as 1)
 
 
 @dataclass(frozen=True)
@@ -67,18 +69,29 @@ def importance_weights(samples: Sequence[TrainSample], idx: Sequence[int], logp:
     """Truncated importance weights of the rows `idx` (as `pack_samples` lays them out), and
     per row (sum of the weights over its loss tokens, its loss tokens, the truncated ones).
 
-        w_t = min(pi_learner(y_t) / pi_behaviour(y_t), cap)
+        w_t = min(pi_T,learner(y_t) / pi_T,behaviour(y_t), cap)
 
-    (truncated importance sampling, as veRL's and slime's TIS), with pi_learner the log-probs
-    this update computes in its first pass (`logp`, detached) and pi_behaviour the
-    `behaviour_logprobs` of the engine that sampled the row. Both are the policy's own
-    distribution, from the raw logits (no temperature, top-p or reply-format masks): the
-    distribution the engine actually sampled from is that policy transformed by the
-    sampling settings, the same transformation for both versions, so the ratio of the raw
-    policies is the lag between the two versions that the weight corrects, and for a row
-    of the current version it is 1 up to the engines' rounding (tests). The gradient is
-    then -mean_rows 1/|y| sum_t w_t A grad log pi(y_t) (w_t a constant). Rows without
-    behaviour log-probs get w = 1; None when no row of `idx` has them."""
+    (truncated importance sampling, as veRL's and slime's TIS). pi_T is the policy at the
+    row's sampling temperature T, softmax(z / T) over the whole vocabulary: `logp` are the
+    learner's, from its first pass (`logprobs.token_logprobs_tempered`, detached), and
+    `behaviour_logprobs` the engine's for what it sampled (`sampling.Completion.logprobs`).
+
+    How that relates to the distribution the engine sampled from: that is q(y) = pi_T(y) / M
+    for y in the kept set S (the nucleus of top-p and the tokens the reply format's masks
+    allow; M = pi_T(S)), so the exact ratio is
+
+        q_learner(y) / q_behaviour(y) = pi_T,learner(y) / pi_T,behaviour(y) * M_behaviour / M_learner
+
+    (0 if the learner's nucleus no longer holds y). The learner does not replay the nucleus
+    or the masks, so w leaves out M_behaviour / M_learner: exact where nothing was cut
+    (top_p = 1, no mask at that token), within [top_p, 1 / top_p] of the exact ratio where
+    only the nucleus cut (both masses lie in [top_p, 1]). The hf engines report pi_T itself, so for a
+    row of the current version w = 1 up to rounding (tests); vLLM reports log q (its
+    `processed_logprobs`: it renormalises after the grammar and top-p), so its rows' w is the
+    ratio above times M_behaviour <= 1 at the positions where something was cut. The
+    gradient is then -mean_rows 1/|y| sum_t w_t A grad log pi(y_t) (w_t a constant; the loss
+    itself keeps the raw policy's log-probs, as in lockstep). Rows without behaviour
+    log-probs get w = 1; None when no row of `idx` has them."""
     rows = [samples[i].behaviour_logprobs for i in idx]
     if not any(rows):
         return None, [(0.0, 0.0, 0.0)] * len(idx)
@@ -231,13 +244,19 @@ class PolicyTrainer:
                 for k, idx in enumerate(batches):
                     adapters = [samples[i].adapter for i in idx]
                     packed = pack_samples(samples, idx, self.pad_id)
-                    logp = token_logprobs(self.model, packed, adapters)
+                    stale = epoch == 0 and any(samples[i].behaviour_logprobs for i in idx)
+                    if stale:  # the learner's tempered log-probs too, from the same pass
+                        temps = torch.tensor([samples[i].temperature or 1.0 for i in idx])
+                        logp, tempered = token_logprobs_tempered(self.model, packed, adapters, temps)
+                    else:
+                        logp = token_logprobs(self.model, packed, adapters)
                     if epoch == 0:
                         old.append(logp.detach())
                     adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
                     mask = packed.completion_mask.to(logp.device)
                     if epoch == 0:  # pi_old / pi_behaviour: fixed over the passes (decoupled from the clip)
-                        w, per_row = importance_weights(samples, idx, old[k], mask, self.settings.is_cap)
+                        w, per_row = importance_weights(samples, idx, tempered if stale else old[k], mask,
+                                                        self.settings.is_cap)
                         is_w.append(w)
                         for (total, tokens, cut), a in zip(per_row, adapters):
                             weighted[a] = [x + y for x, y in zip(weighted[a], (total, tokens, cut))]

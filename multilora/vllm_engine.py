@@ -99,6 +99,9 @@ class VLLMEngine(ChatEngineMixin):
             generation_config="vllm",  # our SamplingParams are the whole truth, not the model's defaults
             # a reply format's distinct sections (a regex cannot say "differs from the line above")
             logits_processors=[DistinctSections],
+            # the sampled token's log-prob under the distribution it was sampled from: after
+            # temperature, the reply format's grammar and top-p (`Completion.logprobs`)
+            logprobs_mode="processed_logprobs",
         )
         if not on_gpu:
             options.update(distributed_executor_backend="uni", enforce_eager=True,
@@ -166,7 +169,7 @@ class VLLMEngine(ChatEngineMixin):
             # forbids ending early (the hf engine supplies the same text in its decode loop)
             structured_outputs=StructuredOutputsParams(regex=fmt.regex()) if fmt is not None else None,
             extra_args={EXTRA_ARG: format_to_extra_arg(fmt)} if fmt is not None and fmt.distinct else None,
-            logprobs=0,  # the sampled token's log-prob, from the raw logits (vLLM's default mode)
+            logprobs=0,  # the sampled token's log-prob (the engine's `processed_logprobs` mode)
             # one seed per request from the engine's generator: a run replays exactly;
             # vLLM gives the n samples of a request the seeds seed, seed+1, ...
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)),

@@ -157,6 +157,31 @@ def test_reply_format_is_supplied_and_masked(engine):
             assert re.fullmatch(fmt.regex(), c.text), c.text
 
 
+def test_logprobs_are_the_tempered_policys(engine, tiny_model_path, adapter_keys):
+    """The engine's log-prob of a token it sampled at temperature T is log softmax(z / T)
+    (the behaviour policy of the learner's importance weights), not the raw policy's
+    log softmax(z): compared with an fp32 learner holding the same adapter (the engine runs
+    `model.dtype: auto`, bf16 where the CPU has it, hence the tolerance)."""
+    from multilora.logprobs import pack, token_logprobs_tempered
+
+    t = 0.5
+    out = engine.generate(["a"], PROMPTS[:1], [SamplingParams(temperature=t, max_new_tokens=12, n=2)])[0]
+    learner = MultiLoraModel(load_base_model(tiny_model_path), SPEC, 1)
+    learner.add_adapter("a", random_adapter(adapter_keys, 0))
+    tempered_dev, raw_dev = [], []
+    for c in out.completions:
+        packed = pack([out.prompt_ids], [c.token_ids], engine.tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            raw, tempered = token_logprobs_tempered(learner, packed, ["a"], torch.tensor([t]))
+        start = len(out.prompt_ids) - 1
+        got = torch.tensor(c.logprobs)
+        tempered_dev.append((got - tempered[0, start:start + len(got)]).abs())
+        raw_dev.append((got - raw[0, start:start + len(got)]).abs())
+    tempered_dev, raw_dev = torch.cat(tempered_dev), torch.cat(raw_dev)
+    assert float(tempered_dev.max()) < 0.1, tempered_dev
+    assert float(raw_dev.mean()) > 5 * float(tempered_dev.mean()), (raw_dev, tempered_dev)
+
+
 def test_distinct_sections_never_repeat(engine):
     """A distinct section may not close on an earlier content of its group (code_f inputs):
     hf in its decode loop, vllm through a per-request logits processor; without the rule

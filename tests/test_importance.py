@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from multilora.generation import generate
-from multilora.logprobs import token_logprobs
+from multilora.logprobs import token_logprobs, token_logprobs_tempered
 from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat
 from multilora.sampling import GenerationRequest, SamplingParams
@@ -35,16 +35,18 @@ def _sampled(model, tokenizer) -> list[TrainSample]:
                                 reply_format=fmt if i % 2 else None)
         reqs.append(GenerationRequest(adapter, prompt, params))
     outputs = generate(model, tokenizer, reqs, generator=torch.Generator().manual_seed(0))
-    return [TrainSample(req.adapter, req.prompt_ids, c.token_ids, 1.0 - j, c.supplied, 0, c.logprobs)
+    return [TrainSample(req.adapter, req.prompt_ids, c.token_ids, 1.0 - j, c.supplied, 0, c.logprobs,
+                        req.params.temperature)
             for req, out in zip(reqs, outputs) for j, c in enumerate(out.completions)]
 
 
 def _weights(model, samples, cap=2.0):
     idx = list(range(len(samples)))
     packed = pack_samples(samples, idx, pad_id=0)
+    temps = torch.tensor([s.temperature for s in samples])
     with torch.no_grad():
-        logp = token_logprobs(model, packed, [s.adapter for s in samples])
-    return importance_weights(samples, idx, logp, packed.completion_mask, cap), packed.completion_mask
+        _, tempered = token_logprobs_tempered(model, packed, [s.adapter for s in samples], temps)
+    return importance_weights(samples, idx, tempered, packed.completion_mask, cap), packed.completion_mask
 
 
 def test_weights_of_fresh_rows_are_one(lora_model, tiny_model_path):
@@ -87,6 +89,49 @@ def test_weights_of_stale_rows_correct_and_are_truncated(lora_model, tiny_model_
         rows = uncapped[idx][mask[idx].bool()]
         assert abs(stats[name]["is_weight_mean"] - float(rows.clamp(max=1.5).mean())) < 1e-4
         assert abs(stats[name]["is_truncated_frac"] - float((rows > 1.5).float().mean())) < 1e-6
+
+
+def test_weights_are_the_ratio_of_the_tempered_policies(lora_model, tiny_model_path):
+    """At temperature T the engine samples from softmax(z / T): a stale row's weight is
+    exp(log_softmax(z_now / T) - log_softmax(z_then / T)) at its tokens, computed here from
+    the full logits of both versions; the raw policies' ratio (T = 1) is another number."""
+    model = lora_model(SPEC, 2, "ab")
+    tokenizer = _tokenizer(tiny_model_path)
+    samples = [s for s in _sampled(model, tokenizer) if s.temperature != 1.0]
+    then = _full_logits(model, samples)
+    with torch.no_grad():
+        for name in "ab":
+            for p in model.adapter_parameters(name):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    model.invalidate()
+    now = _full_logits(model, samples)
+    (weights, _), mask = _weights(model, samples, cap=1e9)
+    for row, s in enumerate(samples):
+        start, n = len(s.prompt_ids) - 1, len(s.completion_ids)
+        on = mask[row, start:start + n].bool()
+        ids = torch.tensor(s.completion_ids)[:, None]
+
+        def picked(logits, t):
+            return torch.log_softmax(logits / t, dim=-1).gather(1, ids).squeeze(1)
+
+        want = torch.exp(picked(now[row], s.temperature) - picked(then[row], s.temperature))
+        raw = torch.exp(picked(now[row], 1.0) - picked(then[row], 1.0))
+        got = weights[row, start:start + n]
+        assert torch.allclose(got[on], want[on], rtol=1e-3, atol=1e-4), (got[on], want[on])
+        assert not torch.allclose(got[on], raw[on], rtol=1e-2, atol=1e-3)
+
+
+def _full_logits(model, samples) -> list[torch.Tensor]:
+    """Per row, the logits `[completion tokens, vocab]` that predict its completion tokens
+    (the model's own forward, one row at a time)."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([list(s.prompt_ids) + list(s.completion_ids)])
+            with model.route([s.adapter]):
+                logits = model.base(input_ids=ids).logits[0].float()
+            out.append(logits[len(s.prompt_ids) - 1:-1])
+    return out
 
 
 def test_rows_without_behaviour_log_probs_train_as_before(lora_model):

@@ -38,7 +38,8 @@ def _logprobs(model, shared: bool):
     rows, supplied = _rows()
     packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
     adapters = [a for a, _, _ in rows]
-    return packed, (token_logprobs if shared else logprobs_mod._forward_logprobs)(model, packed, adapters)
+    return packed, (token_logprobs(model, packed, adapters) if shared
+                    else logprobs_mod._forward_logprobs(model, packed, adapters, None)[0])
 
 
 def test_shared_prompt_same_logprobs_and_gradients(lora_model):
@@ -159,7 +160,7 @@ def test_causal_pass_is_the_models_forward(case, lora_model):
     assert logprobs_mod._prompt_groups(packed, adapters) is None  # token_logprobs takes the causal pass
     weights = torch.randn(len(rows), 1, generator=torch.Generator().manual_seed(1))
     results = []
-    for fn in (logprobs_mod._forward_logprobs, token_logprobs):
+    for fn in (lambda *a: logprobs_mod._forward_logprobs(*a, None)[0], token_logprobs):
         model.zero_grad(set_to_none=True)
         logp = fn(model, packed, adapters)
         (logp * weights).sum().backward()
@@ -187,5 +188,5 @@ def test_left_padded_rows_take_the_models_forward(lora_model, monkeypatch):
     monkeypatch.setattr(logprobs_mod, "_causal_logprobs", lambda *a: pytest.fail("causal pass on left padding"))
     with torch.no_grad():
         got = token_logprobs(model, left, ["a", "b"])
-        want = logprobs_mod._forward_logprobs(model, left, ["a", "b"])
+        want = logprobs_mod._forward_logprobs(model, left, ["a", "b"], None)[0]
     assert torch.equal(got, want) and (got != 0).sum() == 3
