@@ -23,6 +23,7 @@ Spec (YAML; relative config paths are read from the current directory, as `popul
       baseline: {set: [population.mode=single], description: single agent (AZR)}
     baseline: baseline             # the arm every other is compared with (optional)
     control: no-learning           # the no-learning arm, compared likewise (optional)
+    compare: [[2T2S, 4T4S]]        # more differences the report gives: arm minus reference
     output_dir: /somewhere         # where studies/<name>/ goes (default: beside the spec)
     eval: {benchmarks: [codeio, humaneval], limit: 20, probe_limit: 12, roles: [student, agent],
            max_new_tokens: null, base: true}
@@ -79,7 +80,8 @@ from driver.evaluation.held_out import EVAL_DIR
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_SPEC = ROOT / "studies" / "smoke.yaml"
 TRAINED = "study_trained.json"  # in a run directory: training reached the recorded steps
-SPEC_KEYS = ("name", "description", "config", "set", "steps", "seeds", "arms", "baseline", "control", "eval",
+SPEC_KEYS = ("name", "description", "config", "set", "steps", "seeds", "arms", "baseline", "control", "compare",
+             "eval",
              "output_dir", "parallel")
 ARM_KEYS = ("config", "set", "description")
 EVAL_KEYS = ("benchmarks", "limit", "probe", "probe_limit", "roles", "max_new_tokens", "base")
@@ -128,6 +130,8 @@ class Study:
     arms: tuple[Arm, ...]
     baseline: str | None = None
     control: str | None = None
+    # more differences the report gives: (arm, reference) pairs, arm minus reference
+    compare: tuple[tuple[str, str], ...] = ()
     eval: EvalSpec = field(default_factory=EvalSpec)
     description: str = ""
     parallel: int = 1  # runs at once unless --parallel says otherwise
@@ -252,11 +256,29 @@ def parse_spec(path: str | Path, out: str | Path | None = None) -> Study:
         if value is not None and value not in names:
             raise StudyError(f"{key}: {value!r} is not an arm (arms: {', '.join(names)})")
         refs[key] = value
+    compare = _compare(data.get("compare", []), names)
     root = Path(data["output_dir"]).expanduser() if data.get("output_dir") else path.resolve().parent
     return Study(name=name, spec=path, out=Path(out) if out else root / name, steps=steps, seeds=tuple(seeds),
-                 arms=tuple(arms), baseline=refs["baseline"], control=refs["control"],
+                 arms=tuple(arms), baseline=refs["baseline"], control=refs["control"], compare=compare,
                  eval=_eval_spec(data.get("eval")), description=str(data.get("description", "")),
                  parallel=_positive_int(data.get("parallel", 1), "parallel"))
+
+
+def _compare(value: Any, names: list[str]) -> tuple[tuple[str, str], ...]:
+    """`compare:`: a list of [arm, reference] pairs of two different arms."""
+    if not isinstance(value, list):
+        raise StudyError(f"compare: expected a list of [arm, reference] pairs, got {value!r}")
+    pairs = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
+            raise StudyError(f"compare[{i}]: expected [arm, reference], got {pair!r}")
+        for x in pair:
+            if x not in names:
+                raise StudyError(f"compare[{i}]: {x!r} is not an arm (arms: {', '.join(names)})")
+        if pair[0] == pair[1]:
+            raise StudyError(f"compare[{i}]: an arm compared with itself ({pair[0]!r})")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
 
 
 def runs_of(study: Study) -> list[RunSpec]:
@@ -495,8 +517,11 @@ class Scheduler:
             job.failed = f"{job.stage} exited {rc} (log: {job.log})"
             self._line(f"{job.name}: FAILED, {job.failed}")
             return
-        if job.stage == "train":
-            (job.path / TRAINED).write_text(json.dumps({"steps": self.study.steps, "seconds": round(seconds, 1)}))
+        if job.stage == "train":  # the machine too: a study resumed elsewhere mixes machines
+            from bench import machine
+
+            (job.path / TRAINED).write_text(json.dumps({"steps": self.study.steps, "seconds": round(seconds, 1),
+                                                        "machine": machine()}))
         self._line(f"{job.name}: {job.stage} finished in {seconds:.0f} s")
         if not job.stages:
             self.done.append(job.name)

@@ -211,7 +211,21 @@ def train_table(study: Study, runs: list[RunTables], key: str) -> dict | None:
                 diff = intervals.estimate(float(np.mean(v) - np.mean(values[ref])), d, min(len(v), len(values[ref])))
                 entry[ref_key] = {**diff.as_dict(), "verdict": verdict(diff)}
         table["arms"][arm] = entry
+    pairs = {}
+    for arm, ref in study.compare:
+        if arm in values and ref in values:
+            rng = _seed(key, arm, ref)
+            d = intervals.seed_draws(values[arm], rng) - intervals.seed_draws(values[ref], rng)
+            diff = intervals.estimate(float(np.mean(values[arm]) - np.mean(values[ref])), d,
+                                      min(len(values[arm]), len(values[ref])))
+            pairs[pair_name(arm, ref)] = {**diff.as_dict(), "verdict": verdict(diff)}
+    if pairs:
+        table["pairs"] = pairs
     return table
+
+
+def pair_name(arm: str, ref: str) -> str:
+    return f"{arm} − {ref}"
 
 
 def _matrix(member_scores: dict[str, dict[str, bool]], problems: list[str]) -> np.ndarray:
@@ -249,6 +263,14 @@ def eval_tables(study: Study, runs: list[RunTables], base: dict[str, dict[str, d
                                                   min(len(m), len(by_arm[ref])))
                         entry[ref_key] = {**diff.as_dict(), "verdict": verdict(diff)}
                 table["arms"][arm] = entry
+            pairs = {}
+            for arm, ref in study.compare:
+                if arm in by_arm and ref in by_arm:
+                    diff = intervals.estimate(points[arm] - points[ref], draws[arm] - draws[ref],
+                                              min(len(by_arm[arm]), len(by_arm[ref])))
+                    pairs[pair_name(arm, ref)] = {**diff.as_dict(), "verdict": verdict(diff)}
+            if pairs:
+                table["pairs"] = pairs
             if key in base:
                 b = [_matrix(base[key], problems)]
                 table["base"] = intervals.estimate(intervals.eval_point(b, np.mean),
@@ -277,8 +299,11 @@ def findings(study: Study, metrics: dict[str, dict]) -> list[str]:
             for ref_key, ref in (("vs_baseline", study.baseline), ("vs_control", study.control)):
                 d = entry.get(ref_key)
                 if d:
-                    lines.append(f"{_title(key)}: {arm} − {ref} = {d['value']:+.3f} "
+                    lines.append(f"{_title(key)}: {pair_name(arm, ref)} = {d['value']:+.3f} "
                                  f"[{d['low']:+.3f}, {d['high']:+.3f}]: {d['verdict']}")
+        for name, d in table.get("pairs", {}).items():
+            lines.append(f"{_title(key)}: {name} = {d['value']:+.3f} "
+                         f"[{d['low']:+.3f}, {d['high']:+.3f}]: {d['verdict']}")
     return lines
 
 
@@ -419,7 +444,17 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
         rows.append(["base model", _cell(table["base"]), "–"] + [""] * (len(header) - 3))
     extra = f" ({table['problems']} problems)" if "problems" in table else ""
     note = f"<p>{html.escape(table['note'])}</p>" if table.get("note") else ""
-    return f"<h3>{html.escape(_title(key))}{extra}</h3>{note}{_table(header, rows)}"
+    pairs = ""
+    if table.get("pairs"):
+        pairs = _table(["difference", "value [95% interval]"],
+                       [[html.escape(name), _diff_cell(d)] for name, d in table["pairs"].items()])
+    return f"<h3>{html.escape(_title(key))}{extra}</h3>{note}{_table(header, rows)}{pairs}"
+
+
+def _machine(m: dict | None) -> str:
+    if not m:
+        return "–"
+    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, bf16: {' '.join(m.get('cpu_bf16_flags') or ['none'])}"
 
 
 def write_study_report(study: Study) -> Path:
@@ -439,15 +474,18 @@ def write_study_report(study: Study) -> Path:
     for key, table in metrics.items():
         table["title"] = _title(key)
     finished = {r.name for r in runs}
+    markers = {s.name: json.loads((s.path / TRAINED).read_text()) if s.name in finished else {}
+               for s in runs_of(study)}
     run_rows = [{"run": s.name, "arm": s.arm, "seed": s.seed, "finished": s.name in finished,
                  "evaluated": (s.path / EVAL_DIR / DONE).is_file(),
-                 "train_seconds": (json.loads((s.path / TRAINED).read_text()).get("seconds")
-                                   if s.name in finished else None)} for s in runs_of(study)]
+                 "train_seconds": markers[s.name].get("seconds"),
+                 "machine": markers[s.name].get("machine")} for s in runs_of(study)]
     lines = findings(study, metrics)
     summary = {
         "study": study.name, "description": study.description, "steps": study.steps, "seeds": list(study.seeds),
         "arms": [{"name": a.name, "config": a.config, "overrides": list(a.overrides), "description": a.description}
                  for a in study.arms],
+        "compare": [list(pair) for pair in study.compare],
         "baseline": study.baseline, "control": study.control, "eval": study.eval.fingerprint(),
         "interval": {"level": intervals.LEVEL, "draws": intervals.DRAWS, "seed": intervals.SEED,
                      "method": "percentile bootstrap; training figures: seeds resampled; evaluation scores: seeds "
@@ -495,9 +533,10 @@ def write_study_report(study: Study) -> Path:
     for key, table in metrics.items():
         parts.append(_metric_html(study, key, table))
     parts.append("<h2>Runs</h2>")
-    parts.append(_table(["run", "arm", "seed", "finished", "evaluated", "train seconds"],
+    parts.append(_table(["run", "arm", "seed", "finished", "evaluated", "train seconds", "machine"],
                         [[r["run"], r["arm"], str(r["seed"]), str(r["finished"]), str(r["evaluated"]),
-                          f"{r['train_seconds']:.0f}" if r["train_seconds"] is not None else "–"] for r in run_rows]))
+                          f"{r['train_seconds']:.0f}" if r["train_seconds"] is not None else "–",
+                          html.escape(_machine(r["machine"]))] for r in run_rows]))
     parts.append("<h2>Arms</h2>")
     parts.append(_table(["arm", "config", "overrides", "description"],
                         [[html.escape(a.name), html.escape(a.config), html.escape(" ".join(a.overrides)),

@@ -55,6 +55,8 @@ def test_local_spec_is_the_papers_comparison():
     assert configs["no-learning-s0"].learner.lr == 0 and configs["no-evolution-s0"].population.evolve_every == 0
     # the controls differ from 2T2S in one thing each
     assert configs["overlapped-s0"].pipeline.max_staleness == 1 and cfg.pipeline.max_staleness == 0
+    # the report also gives the differences each control and the overlap are about
+    assert study.compare == (("2T2S", "no-evolution"), ("overlapped", "2T2S"))
     assert configs["baseline-s1"].population.mode == "single" and configs["baseline-s1"].run.seed == 1
     assert (configs["4T4S-s2"].population.teachers, configs["4T4S-s2"].population.students) == (4, 4)
     # compute-matched per adapter: every arm proposes and solves as much per adapter
@@ -82,6 +84,9 @@ def test_cluster_spec_is_valid_where_its_model_exists(tiny_model_path):
     ({"arms": {"a/b": {}}}, "arms.a/b: an arm name"),
     ({"set": ["run.seed=3"]}, "set: run.seed is set by the study"),
     ({"baseline": "nope"}, "baseline: 'nope' is not an arm"),
+    ({"compare": [["2T2S", "nope"]]}, "compare[0]: 'nope' is not an arm"),
+    ({"compare": [["2T2S"]]}, "compare[0]: expected [arm, reference]"),
+    ({"compare": [["2T2S", "2T2S"]]}, "compare[0]: an arm compared with itself"),
     ({"eval": {"limt": 3}}, "eval.limt: unknown key"),
     ({"eval": {"benchmarks": ["humaneval", "nope"]}}, "eval.benchmarks: unknown benchmark 'nope'"),
     ({"eval": {"roles": ["judge"]}}, "eval.roles:"),
@@ -128,6 +133,21 @@ def test_difference_and_its_interval_by_hand():
     # two seeds 0 and 1: resampled means 0 (1/4), 0.5 (1/2), 1 (1/4): the interval spans [0, 1]
     e = intervals.bootstrap_mean([0.0, 1.0])
     assert (e.value, e.low, e.high) == (0.5, 0.0, 1.0)
+
+
+def test_a_compared_pair_gets_its_difference_by_hand(tmp_path):
+    """`compare: [[a, b]]`: each training table gives a − b with its interval (the case of
+    `test_difference_and_its_interval_by_hand`), and the findings name it."""
+    from driver.study_report import RunTables, findings, train_table
+
+    study = parse_spec(_spec(tmp_path, arms={"a": {}, "b": {}}, compare=[["a", "b"]]), tmp_path / "out")
+    runs = [RunTables(arm, seed, f"{arm}-s{seed}", 2, scalars={"valid_rate": v})
+            for arm, values in (("a", [1.0, 2.0, 3.0]), ("b", [0.0, 0.0, 0.0])) for seed, v in enumerate(values)]
+    table = train_table(study, runs, "valid_rate")
+    d = table["pairs"]["a − b"]
+    assert (d["value"], d["low"], d["high"], d["verdict"]) == (2.0, 1.0, 3.0, "larger than its interval")
+    assert any(line.endswith("a − b = +2.000 [+1.000, +3.000]: larger than its interval")
+               for line in findings(study, {"valid_rate": table}))
 
 
 def test_evaluation_scores_are_paired_over_problems():
