@@ -457,8 +457,31 @@ def _machine(m: dict | None) -> str:
     return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, bf16: {' '.join(m.get('cpu_bf16_flags') or ['none'])}"
 
 
+def markdown_summary(study: Study, metrics: dict[str, dict], run_rows: list[dict], lines: list[str]) -> str:
+    """The report's numbers as Markdown (for docs): one row per metric with each arm's mean
+    [95% interval] (and the base model's on evaluation metrics; complexity and the weakest /
+    best member left to the HTML), then the differences larger than their interval."""
+    arms = [a.name for a in study.arms]
+    done = [r for r in run_rows if r["finished"]]
+    machines = sorted({_machine(r["machine"]) for r in done})
+    out = [f"{len(done)} of {len(run_rows)} runs finished ({study.steps} steps each); "
+           f"seeds per arm: " + ", ".join(f"{a} {sum(r['arm'] == a for r in done)}" for a in arms)
+           + (f"; machine: {'; '.join(machines)}" if machines else "") + ".", "",
+           "| metric | " + " | ".join(arms) + " | base model |", "|---" * (len(arms) + 2) + "|"]
+    for key, table in metrics.items():
+        if key.startswith("complexity/") or key.endswith(("/weakest", "/best")):
+            continue
+        cells = [_cell(table["arms"][a]["estimate"]) if a in table["arms"] else "–" for a in arms]
+        out.append(f"| {_title(key)} | " + " | ".join(cells) + f" | {_cell(table.get('base')) or '–'} |")
+    detected = [x for x in lines if x.endswith("larger than its interval")]
+    out += ["", f"Differences larger than their 95% interval ({len(detected)} of {len(lines)} compared):", ""]
+    out += [f"- {x.removesuffix(': larger than its interval')}" for x in detected] or ["- none"]
+    return "\n".join(out) + "\n"
+
+
 def write_study_report(study: Study) -> Path:
-    """Writes studies/<name>/report/{index.html, summary.json, *.png}; returns the HTML path."""
+    """Writes studies/<name>/report/{index.html, summary.json, summary.md, *.png}; returns
+    the HTML path."""
     out = study.out / "report"
     out.mkdir(parents=True, exist_ok=True)
     runs = load_runs(study)
@@ -493,6 +516,7 @@ def write_study_report(study: Study) -> Path:
         "runs": run_rows, "metrics": metrics, "findings": lines,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown_summary(study, metrics, run_rows, lines))
 
     with rc_context(STYLE):
         figures = curve_figures(study, runs)

@@ -216,6 +216,9 @@ def test_smoke_study_writes_the_report(smoke):
     assert set(probe["arms"]) == {"2T2S", "baseline"} and "base" in probe
     assert probe["arms"]["2T2S"]["vs_baseline"]["verdict"] == "not judged (fewer than 2 seeds)"
     assert (out / "report" / "valid_rate.png").is_file() and (out / "report" / "evaluation.png").is_file()
+    md = (out / "report" / "summary.md").read_text()
+    assert md.startswith("2 of 2 runs finished") and "| metric | 2T2S | baseline | base model |" in md, md
+    assert "| Valid-task rate (last third) | " in md and "Differences larger than their 95% interval" in md
 
 
 def test_interrupted_run_resumes_from_its_checkpoint(smoke):
