@@ -67,6 +67,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -458,8 +459,10 @@ def _env() -> dict[str, str]:
 class Scheduler:
     """Runs jobs' stages as subprocesses, at most `parallel` at once, and prints progress lines."""
 
-    def __init__(self, study: Study, configs: dict[str, Config], parallel: int, heartbeat_s: float = 60.0) -> None:
+    def __init__(self, study: Study, configs: dict[str, Config], parallel: int, heartbeat_s: float = 60.0,
+                 arms: Sequence[str] | None = None) -> None:
         self.study, self.configs, self.parallel, self.heartbeat_s = study, configs, parallel, heartbeat_s
+        self.arms = set(arms) if arms else None  # None: every arm
         self.jobs: list[Job] = []
         self.done: list[str] = []
 
@@ -473,6 +476,8 @@ class Scheduler:
             else:
                 self.jobs.append(Job("base", ["evaluate"], path=base))
         for run in runs_of(study):
+            if self.arms is not None and run.arm not in self.arms:
+                continue
             state = status(run, study)
             if state == "done":
                 self.done.append(run.name)
@@ -597,6 +602,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the study directory (default: <spec's output_dir or directory>/<name>)")
     parser.add_argument("--dry-run", action="store_true", help="check the spec, print each run's state, run nothing")
     parser.add_argument("--report-only", action="store_true", help="write the report from the runs already there")
+    parser.add_argument("--arms", default=None, metavar="A,B",
+                        help="train and evaluate only these arms' runs this time (the others wait for a later run "
+                             "of the study; the report covers every finished run)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -613,7 +621,13 @@ def main(args: argparse.Namespace) -> int:
     except StudyError as e:
         print(f"populora study: {e}", file=sys.stderr)
         return 2
-    runs = runs_of(study)
+    names = [a.name for a in study.arms]
+    arms = [a for a in (args.arms or "").split(",") if a] or None
+    for arm in arms or ():
+        if arm not in names:
+            print(f"populora study: --arms: {arm!r} is not an arm (arms: {', '.join(names)})", file=sys.stderr)
+            return 2
+    runs = [r for r in runs_of(study) if arms is None or r.arm in arms]
     print(f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds, {study.steps} steps each, "
           f"{args.parallel or study.parallel} at a time, in {study.out}", flush=True)
     if args.dry_run:
@@ -624,7 +638,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.report_only:
         study.out.mkdir(parents=True, exist_ok=True)
         (study.out / "spec.yaml").write_text(Path(spec).read_text())
-        scheduler = Scheduler(study, configs, args.parallel or study.parallel)
+        scheduler = Scheduler(study, configs, args.parallel or study.parallel, arms=arms)
         scheduler.plan()
         try:
             failed = scheduler.run()

@@ -99,6 +99,15 @@ def test_bad_spec_stops_before_any_run_with_one_line(tmp_path, capsys, changes, 
     assert not (tmp_path / "out").exists(), "a run started before the spec was checked"
 
 
+def test_arms_picks_the_runs_of_this_time(tmp_path, capsys):
+    spec = str(_spec(tmp_path))
+    assert cli(["study", spec, "--out", str(tmp_path / "out"), "--arms", "baseline", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.strip() for x in lines[1:]] == ["baseline-s0: new"], lines
+    assert cli(["study", spec, "--out", str(tmp_path / "out"), "--arms", "baseline,nope"]) == 2
+    assert capsys.readouterr().err.strip() == "populora study: --arms: 'nope' is not an arm (arms: 2T2S, baseline)"
+
+
 def test_bad_spec_exits_2_from_the_command_line(tmp_path):
     spec = _spec(tmp_path, arms={"a": {"sett": []}})
     proc = subprocess.run([sys.executable, "-m", "driver", "study", str(spec)], capture_output=True, text=True,
