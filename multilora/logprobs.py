@@ -74,8 +74,7 @@ def token_logprobs_tempered(model: MultiLoraModel, batch: PackedBatch, adapters:
     row's tempered policy softmax(logits / temperatures[row]) (a row's sampling temperature),
     from the same LM-head pass: the learner's side of the importance weights
     (`multilora.trainer.importance_weights`). A row of temperature 1 gets its log-probs."""
-    logp, tempered = _token_logprobs(model, batch, adapters, temperatures)
-    return logp, tempered
+    return _token_logprobs(model, batch, adapters, temperatures)
 
 
 def _token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
@@ -118,12 +117,9 @@ def _picked(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Ten
     picked = picked_logprobs(logits, targets)
     if temperatures is None:
         return picked, None
-    temps = temperatures[row_idx]
-    tempered = picked.detach().clone()
-    scaled = (temps != 1.0).nonzero().squeeze(1)
-    if scaled.numel():
-        tempered[scaled] = tempered_logprobs(logits.detach()[scaled], targets[scaled], temps[scaled])
-    return picked, tempered
+    if bool((temperatures == 1.0).all()):
+        return picked, picked.detach()
+    return picked, tempered_logprobs(logits.detach(), targets, temperatures[row_idx])
 
 
 def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -133,7 +129,8 @@ def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures:
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     with torch.no_grad():
         for at in range(0, rows, step):
-            block = logits[at:at + step].float().div_(temperatures[at:at + step, None])
+            # out of place: `.float()` of fp32 logits is the logits themselves
+            block = logits[at:at + step].float() / temperatures[at:at + step, None]
             out[at:at + step] = (block.gather(1, targets[at:at + step, None]).squeeze(1)
                                  - torch.logsumexp(block, dim=-1))
     return out

@@ -106,6 +106,10 @@ def test_weights_are_the_ratio_of_the_tempered_policies(lora_model, tiny_model_p
     model.invalidate()
     now = _full_logits(model, samples)
     (weights, _), mask = _weights(model, samples, cap=1e9)
+    packed, adapters = pack_samples(samples, list(range(len(samples))), pad_id=0), [s.adapter for s in samples]
+    with torch.no_grad():  # the tempered pass leaves the loss's log-probs as they were
+        logp, _ = token_logprobs_tempered(model, packed, adapters, torch.tensor([s.temperature for s in samples]))
+        assert torch.equal(logp, token_logprobs(model, packed, adapters))
     for row, s in enumerate(samples):
         start, n = len(s.prompt_ids) - 1, len(s.completion_ids)
         on = mask[row, start:start + n].bool()
