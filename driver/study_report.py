@@ -451,6 +451,16 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     return f"<h3>{html.escape(_title(key))}{extra}</h3>{note}{_table(header, rows)}{pairs}"
 
 
+def _step_seconds(path: Path) -> float | None:
+    """A run's training time: its steps' wall clock (`time/step`) summed, so a run resumed
+    after an interruption counts every step once and no start-up or lost partial step."""
+    per_step = {}
+    for row in _rows(path / "metrics.parquet"):
+        if _number(row.get("time/step")):
+            per_step.setdefault(row["step"], row["time/step"])
+    return round(sum(per_step.values()), 1) if per_step else None
+
+
 def _machine(m: dict | None) -> str:
     if not m:
         return "–"
@@ -501,7 +511,7 @@ def write_study_report(study: Study) -> Path:
                for s in runs_of(study)}
     run_rows = [{"run": s.name, "arm": s.arm, "seed": s.seed, "finished": s.name in finished,
                  "evaluated": (s.path / EVAL_DIR / DONE).is_file(),
-                 "train_seconds": markers[s.name].get("seconds"),
+                 "train_seconds": _step_seconds(s.path) if s.name in finished else None,
                  "machine": markers[s.name].get("machine")} for s in runs_of(study)]
     lines = findings(study, metrics)
     summary = {

@@ -217,6 +217,7 @@ def test_smoke_study_writes_the_report(smoke):
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert "Findings" in html and "no detectable difference" in html or "not judged" in html
     assert all(r["finished"] and r["evaluated"] for r in summary["runs"]), summary["runs"]
+    assert all(r["train_seconds"] > 0 and r["machine"]["cpu_count"] for r in summary["runs"]), summary["runs"]
     metrics = summary["metrics"]
     for key in ("valid_rate", "teacher_reward", "coverage", "eval/probe all/mean",
                 "eval/probe all/weakest", "eval/probe all/best", "eval/humaneval/mean"):
