@@ -82,8 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE_SPEC = ROOT / "studies" / "smoke.yaml"
 TRAINED = "study_trained.json"  # in a run directory: training reached the recorded steps
 SPEC_KEYS = ("name", "description", "config", "set", "steps", "seeds", "arms", "baseline", "control", "compare",
-             "eval",
-             "output_dir", "parallel")
+             "eval", "output_dir", "parallel")
 ARM_KEYS = ("config", "set", "description")
 EVAL_KEYS = ("benchmarks", "limit", "probe", "probe_limit", "roles", "max_new_tokens", "base")
 ROLES = ("teacher", "student", "agent")
