@@ -464,7 +464,8 @@ def _step_seconds(path: Path) -> float | None:
 def _machine(m: dict | None) -> str:
     if not m:
         return "–"
-    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, bf16: {' '.join(m.get('cpu_bf16_flags') or ['none'])}"
+    flags = " ".join(m.get("cpu_bf16_flags") or ["none"])
+    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, bf16: {flags}"
 
 
 def markdown_summary(study: Study, metrics: dict[str, dict], run_rows: list[dict], lines: list[str]) -> str:

@@ -76,7 +76,8 @@ class TokenStep:
         for k, cursor in enumerate(cursors):
             if cursor is not None and cursor.pending:
                 tokens[k], forced[k] = cursor.take_supplied(), True
-        picked = (tempered.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1) - log_norm).tolist()
+        chosen = torch.tensor(tokens, device=logits.device)[:, None]
+        picked = (tempered.gather(1, chosen).squeeze(1) - log_norm).tolist()
         finished = [k for k, row in enumerate(rows)
                     if row is not None and self._take(row, tokens[k], picked[k], forced[k])]
         return tokens, finished
