@@ -96,6 +96,7 @@ class RunTables:
     curves: dict[str, dict[int, float]] = field(default_factory=dict)
     scalars: dict[str, float] = field(default_factory=dict)
     scores: dict[str, dict[str, dict[str, bool]]] = field(default_factory=dict)
+    train_seconds: float | None = None  # the steps' wall clock summed (`read_training`)
 
 
 def _last_third(curve: dict[int, float], steps: int) -> float | None:
@@ -104,7 +105,10 @@ def _last_third(curve: dict[int, float], steps: int) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], dict[str, float], float | None]:
+    """A run's curves, its last-third / last-step figures, and its training time: its steps'
+    wall clock (`time/step`) summed, so a run resumed after an interruption counts every
+    step once and no start-up or lost partial step."""
     metrics, tasks = _rows(path / "metrics.parquet"), _rows(path / "tasks.parquet")
     curves: dict[str, dict[int, float]] = {}
     scalars: dict[str, float] = {}
@@ -146,7 +150,11 @@ def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], 
                 late = [x for s, v in by_step.items() if s > steps - k for x in v]
                 if late:
                     scalars[f"complexity/{tt}/{col}"] = float(np.mean(late))
-    return curves, scalars
+    step_seconds = {}
+    for r in metrics:
+        if _number(r.get("time/step")):
+            step_seconds.setdefault(r["step"], r["time/step"])
+    return curves, scalars, round(sum(step_seconds.values()), 1) if step_seconds else None
 
 
 def read_scores(view: Path, who: str = "member") -> dict[str, dict[str, dict[str, bool]]]:
@@ -171,9 +179,9 @@ def load_runs(study: Study) -> list[RunTables]:
     for spec in runs_of(study):
         if not trained(spec.path, study.steps):
             continue
-        curves, scalars = read_training(spec.path, study.steps)
+        curves, scalars, seconds = read_training(spec.path, study.steps)
         runs.append(RunTables(spec.arm, spec.seed, spec.name, study.steps, curves, scalars,
-                              read_scores(spec.path / EVAL_DIR)))
+                              read_scores(spec.path / EVAL_DIR), seconds))
     return runs
 
 
@@ -200,28 +208,37 @@ def train_table(study: Study, runs: list[RunTables], key: str) -> dict | None:
     values = {a: v for a, v in values.items() if v}
     if not values:
         return None
+    def difference(arm: str, ref: str) -> dict:
+        rng = _seed(key, arm, ref)
+        d = intervals.seed_draws(values[arm], rng) - intervals.seed_draws(values[ref], rng)
+        return _verdict_dict(intervals.estimate(float(np.mean(values[arm]) - np.mean(values[ref])), d,
+                                                min(len(values[arm]), len(values[ref]))))
+
     table = {"kind": "training", "arms": {}}
-    for i, (arm, v) in enumerate(values.items()):
+    for arm, v in values.items():
         est = intervals.estimate(float(np.mean(v)), intervals.seed_draws(v, _seed(key, arm)), len(v))
-        entry = {"estimate": _entry(est, v)}
-        for ref_key, ref in (("vs_baseline", study.baseline), ("vs_control", study.control)):
-            if ref and ref != arm and ref in values:
-                rng = _seed(key, arm, ref)
-                d = intervals.seed_draws(v, rng) - intervals.seed_draws(values[ref], rng)
-                diff = intervals.estimate(float(np.mean(v) - np.mean(values[ref])), d, min(len(v), len(values[ref])))
-                entry[ref_key] = {**diff.as_dict(), "verdict": verdict(diff)}
-        table["arms"][arm] = entry
-    pairs = {}
-    for arm, ref in study.compare:
-        if arm in values and ref in values:
-            rng = _seed(key, arm, ref)
-            d = intervals.seed_draws(values[arm], rng) - intervals.seed_draws(values[ref], rng)
-            diff = intervals.estimate(float(np.mean(values[arm]) - np.mean(values[ref])), d,
-                                      min(len(values[arm]), len(values[ref])))
-            pairs[pair_name(arm, ref)] = {**diff.as_dict(), "verdict": verdict(diff)}
+        table["arms"][arm] = {"estimate": _entry(est, v), **_references(study, arm, values, difference)}
+    _add_pairs(table, study, values, difference)
+    return table
+
+
+def _verdict_dict(diff: intervals.Estimate) -> dict:
+    return {**diff.as_dict(), "verdict": verdict(diff)}
+
+
+def _references(study: Study, arm: str, present, difference) -> dict:
+    """`vs_baseline` / `vs_control`: the arm minus each reference arm that has runs."""
+    return {ref_key: difference(arm, ref)
+            for ref_key, ref in (("vs_baseline", study.baseline), ("vs_control", study.control))
+            if ref and ref != arm and ref in present}
+
+
+def _add_pairs(table: dict, study: Study, present, difference) -> None:
+    """`pairs`: each `compare:` pair whose two arms have runs."""
+    pairs = {pair_name(arm, ref): difference(arm, ref) for arm, ref in study.compare
+             if arm in present and ref in present}
     if pairs:
         table["pairs"] = pairs
-    return table
 
 
 def pair_name(arm: str, ref: str) -> str:
@@ -251,26 +268,20 @@ def eval_tables(study: Study, runs: list[RunTables], base: dict[str, dict[str, d
         for stat_name, stat in STATS.items():
             draws = {a: intervals.eval_draws(m, weights, stat, rng) for a, m in by_arm.items()}
             points = {a: intervals.eval_point(m, stat) for a, m in by_arm.items()}
+
+            def difference(arm: str, ref: str) -> dict:
+                return _verdict_dict(intervals.estimate(points[arm] - points[ref], draws[arm] - draws[ref],
+                                                        min(len(by_arm[arm]), len(by_arm[ref]))))
+
             table = {"kind": "evaluation", "problems": len(problems), "arms": {}}
             if len(union) > len(problems):
                 table["note"] = f"{len(union) - len(problems)} problems not answered by every run left out"
             for arm, m in by_arm.items():
                 per_seed = [float(stat(x.mean(axis=1))) for x in m]
-                entry = {"estimate": _entry(intervals.estimate(points[arm], draws[arm], len(m)), per_seed)}
-                for ref_key, ref in (("vs_baseline", study.baseline), ("vs_control", study.control)):
-                    if ref and ref != arm and ref in by_arm:
-                        diff = intervals.estimate(points[arm] - points[ref], draws[arm] - draws[ref],
-                                                  min(len(m), len(by_arm[ref])))
-                        entry[ref_key] = {**diff.as_dict(), "verdict": verdict(diff)}
-                table["arms"][arm] = entry
-            pairs = {}
-            for arm, ref in study.compare:
-                if arm in by_arm and ref in by_arm:
-                    diff = intervals.estimate(points[arm] - points[ref], draws[arm] - draws[ref],
-                                              min(len(by_arm[arm]), len(by_arm[ref])))
-                    pairs[pair_name(arm, ref)] = {**diff.as_dict(), "verdict": verdict(diff)}
-            if pairs:
-                table["pairs"] = pairs
+                table["arms"][arm] = {
+                    "estimate": _entry(intervals.estimate(points[arm], draws[arm], len(m)), per_seed),
+                    **_references(study, arm, by_arm, difference)}
+            _add_pairs(table, study, by_arm, difference)
             if key in base:
                 b = [_matrix(base[key], problems)]
                 table["base"] = intervals.estimate(intervals.eval_point(b, np.mean),
@@ -297,14 +308,14 @@ def findings(study: Study, metrics: dict[str, dict]) -> list[str]:
     for key, table in metrics.items():
         for arm, entry in table["arms"].items():
             for ref_key, ref in (("vs_baseline", study.baseline), ("vs_control", study.control)):
-                d = entry.get(ref_key)
-                if d:
-                    lines.append(f"{_title(key)}: {pair_name(arm, ref)} = {d['value']:+.3f} "
-                                 f"[{d['low']:+.3f}, {d['high']:+.3f}]: {d['verdict']}")
-        for name, d in table.get("pairs", {}).items():
-            lines.append(f"{_title(key)}: {name} = {d['value']:+.3f} "
-                         f"[{d['low']:+.3f}, {d['high']:+.3f}]: {d['verdict']}")
+                if entry.get(ref_key):
+                    lines.append(_finding(key, pair_name(arm, ref), entry[ref_key]))
+        lines += [_finding(key, name, d) for name, d in table.get("pairs", {}).items()]
     return lines
+
+
+def _finding(key: str, name: str, d: dict) -> str:
+    return f"{_title(key)}: {name} = {d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]: {d['verdict']}"
 
 
 # ---- figures ---------------------------------------------------------------------------
@@ -451,16 +462,6 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     return f"<h3>{html.escape(_title(key))}{extra}</h3>{note}{_table(header, rows)}{pairs}"
 
 
-def _step_seconds(path: Path) -> float | None:
-    """A run's training time: its steps' wall clock (`time/step`) summed, so a run resumed
-    after an interruption counts every step once and no start-up or lost partial step."""
-    per_step = {}
-    for row in _rows(path / "metrics.parquet"):
-        if _number(row.get("time/step")):
-            per_step.setdefault(row["step"], row["time/step"])
-    return round(sum(per_step.values()), 1) if per_step else None
-
-
 def _machine(m: dict | None) -> str:
     if not m:
         return "–"
@@ -507,13 +508,12 @@ def write_study_report(study: Study) -> Path:
     metrics.update(eval_tables(study, runs, base))
     for key, table in metrics.items():
         table["title"] = _title(key)
-    finished = {r.name for r in runs}
-    markers = {s.name: json.loads((s.path / TRAINED).read_text()) if s.name in finished else {}
-               for s in runs_of(study)}
+    finished = {r.name: r for r in runs}
     run_rows = [{"run": s.name, "arm": s.arm, "seed": s.seed, "finished": s.name in finished,
                  "evaluated": (s.path / EVAL_DIR / DONE).is_file(),
-                 "train_seconds": _step_seconds(s.path) if s.name in finished else None,
-                 "machine": markers[s.name].get("machine")} for s in runs_of(study)]
+                 "train_seconds": finished[s.name].train_seconds if s.name in finished else None,
+                 "machine": (json.loads((s.path / TRAINED).read_text()).get("machine")
+                             if s.name in finished else None)} for s in runs_of(study)]
     lines = findings(study, metrics)
     summary = {
         "study": study.name, "description": study.description, "steps": study.steps, "seeds": list(study.seeds),

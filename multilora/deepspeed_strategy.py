@@ -43,7 +43,8 @@ import torch
 
 from multilora.logprobs import clipped_pg_loss, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
-from multilora.trainer import TrainerSettings, TrainSample, importance_weights, micro_batches, pack_samples
+from multilora.trainer import (TrainerSettings, TrainSample, importance_weights, micro_batches, pack_samples,
+                               sampling_temperatures)
 
 
 def require_deepspeed():
@@ -184,8 +185,8 @@ class DeepSpeedPolicyTrainer:
             packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
                                                            packed.completion_mask)))
             with torch.no_grad():
-                temps = torch.tensor([mine[i].temperature or 1.0 for i in idx])
-                old_logp, tempered = token_logprobs_tempered(self.model, packed, adapters, temps)
+                old_logp, tempered = token_logprobs_tempered(self.model, packed, adapters,
+                                                             sampling_temperatures(mine, idx))
             logp = token_logprobs(self.model, packed, adapters)
             adv = torch.tensor([mine[i].advantage for i in idx], dtype=logp.dtype, device=device)
             # rows sampled before the last update: truncated importance weights, as the torch trainer

@@ -107,7 +107,8 @@ def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Seque
     targets = batch.input_ids[:, 1:]
     where = batch.completion_mask.bool()
     row_idx = where.nonzero(as_tuple=True)[0]
-    return _scatter(where, *_picked(base.get_output_embeddings()(hidden[where]), targets[where], temperatures, row_idx))
+    picked, tempered = _picked(base.get_output_embeddings()(hidden[where]), targets[where], temperatures, row_idx)
+    return _scatter(where, picked), _scatter(where, tempered)
 
 
 def _picked(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None,
@@ -136,18 +137,13 @@ def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures:
     return out
 
 
-def _scatter(where: torch.Tensor, picked: torch.Tensor, tempered: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scatter(where: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
     """The per-token values at the completion positions `where` as `[batch, T-1]` (0 elsewhere)."""
-    outs = []
-    for values in (picked, tempered):
-        if values is None:
-            outs.append(None)
-            continue
-        out = torch.zeros(where.shape, dtype=values.dtype, device=values.device)
-        out[where] = values
-        outs.append(out)
-    return outs[0], outs[1]
+    if values is None:
+        return None
+    out = torch.zeros(where.shape, dtype=values.dtype, device=values.device)
+    out[where] = values
+    return out
 
 
 # Bytes of a chunk's fp32 [tokens, vocab] block in `picked_logprobs`: on a CPU it stays in
@@ -260,8 +256,8 @@ def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: tor
     where = batch.completion_mask.bool()
     row_idx, pos_idx = where.nonzero(as_tuple=True)
     hidden = blocks.inner.norm(h[row_idx, pos_idx if begin is None else pos_idx - begin[row_idx]])
-    return _scatter(where, *_picked(blocks.lm_head(hidden), batch.input_ids[row_idx, pos_idx + 1], temperatures,
-                                    row_idx))
+    picked, tempered = _picked(blocks.lm_head(hidden), batch.input_ids[row_idx, pos_idx + 1], temperatures, row_idx)
+    return _scatter(where, picked), _scatter(where, tempered)
 
 
 def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],

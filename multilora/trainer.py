@@ -112,6 +112,12 @@ def importance_weights(samples: Sequence[TrainSample], idx: Sequence[int], logp:
     return weights, per_row
 
 
+def sampling_temperatures(samples: Sequence[TrainSample], idx: Sequence[int]) -> torch.Tensor:
+    """The rows' sampling temperatures, as `token_logprobs_tempered` takes them (a greedy
+    row's 0 counts as 1, as the engines' log-probs do)."""
+    return torch.tensor([samples[i].temperature or 1.0 for i in idx])
+
+
 def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
     """Indices of `samples` in micro-batches of at most `size`, adapters mixed freely. Rows
     of one adapter and prompt (a student's rollouts of one task) stay together, so the
@@ -246,8 +252,8 @@ class PolicyTrainer:
                     packed = pack_samples(samples, idx, self.pad_id)
                     stale = epoch == 0 and any(samples[i].behaviour_logprobs for i in idx)
                     if stale:  # the learner's tempered log-probs too, from the same pass
-                        temps = torch.tensor([samples[i].temperature or 1.0 for i in idx])
-                        logp, tempered = token_logprobs_tempered(self.model, packed, adapters, temps)
+                        logp, tempered = token_logprobs_tempered(self.model, packed, adapters,
+                                                                 sampling_temperatures(samples, idx))
                     else:
                         logp = token_logprobs(self.model, packed, adapters)
                     if epoch == 0:
