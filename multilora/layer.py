@@ -15,6 +15,14 @@ batch of one does. Two equivalent kernels, chosen per call by shape:
   (profiled: the per-row gather was 1.7x the base linear's time at 16 rows x 1 token).
   The mask zeroes other slots exactly, so a row's result does not depend on its
   neighbours and gradients of other slots are exactly zero.
+- segmented (fp32 decoding with packed weights, `packed_group`, several slots in the
+  batch): the rows grouped by slot, padded to the largest group, and two batched matmuls
+  over the slots, `[U, m, in] x [U, in, r]` and `[U, m, r] x [U, r, out]`, then each
+  row's term added back in place. The dense kernel's products grow with the number of
+  slots U (each row multiplies every slot's factors and the mask drops all but one);
+  these do each row's own slot only, plus the padding. Both read every used slot's
+  factors once a step, and at decode batch sizes that read is most of the LoRA term's
+  cost (`SEGMENTED`).
 
 Precision. The factors are float32 parameters whatever the base's dtype, and so are
 their gradients and AdamW states: a LoRA-sized update (lr 1e-6..1e-4 times a unit Adam
@@ -63,10 +71,29 @@ class Routing:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._used: tuple[list[int], torch.Tensor] | None = None
         self._rows: list[int] | None = None
+        self._segments: tuple | None = None
 
     @property
     def slots(self) -> torch.Tensor | None:
         return self._slots
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """The batch's rows grouped by slot for the segmented kernel: `(gather, take,
+        rows, m)`. `gather` `[U m]` lists the rows of each of the U used slots
+        (`used_slots`) in turn, each group padded to `m` (the largest group) by repeating
+        its first row; `take` the positions in `gather` that are not padding (None where no
+        group needed any), and `rows` the batch row of each of them."""
+        if self._segments is None:
+            local = self.used_slots()[1]
+            groups = [torch.nonzero(local == u).flatten() for u in range(len(self.used_slots()[0]))]
+            m = max(g.numel() for g in groups)
+            gather = torch.cat([torch.cat([g, g[:1].expand(m - g.numel())]) for g in groups])
+            if all(g.numel() == m for g in groups):
+                take = None
+            else:
+                take = torch.cat([torch.arange(g.numel()) + u * m for u, g in enumerate(groups)]).to(gather.device)
+            self._segments = (gather, take, gather if take is None else gather[take], m)
+        return self._segments
 
     @slots.setter
     def slots(self, value: torch.Tensor | None) -> None:
@@ -74,6 +101,7 @@ class Routing:
         self._masks = {}
         self._used = None
         self._rows = None
+        self._segments = None
 
     def used_slots(self) -> tuple[list[int], torch.Tensor]:
         """The distinct slots of this batch, and each row's index into that list."""
@@ -205,20 +233,34 @@ class PackedGroup:
     (`multilora.decode.Decoder.step`), so a step does none of `packed_group`'s checks and
     lookups (30 layers x 4 groups per step)."""
 
-    __slots__ = ("base", "bias", "sizes", "a", "b", "mask", "scaling")
+    __slots__ = ("base", "bias", "sizes", "a", "b", "mask", "segments", "scaling")
 
     def __init__(self, base: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
                  factors: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
-                 scaling: float = 1.0) -> None:
+                 scaling: float = 1.0, segments: tuple | None = None) -> None:
+        """`factors`: the packed `A` and `B` of the dense kernel with its row `mask`, or,
+        with `segments` (`Routing.segments`), the per-slot stacks of the segmented kernel
+        (`_segment_factors`)."""
         self.base, self.bias, self.sizes = base, bias, sizes
         self.a, self.b = factors if factors is not None else (None, None)
-        self.mask, self.scaling = mask, scaling
+        self.mask, self.scaling, self.segments = mask, scaling, segments
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each projection's output for `x` `[batch, tokens, in]` (one token per row where
-        the group has factors: the dense kernel)."""
+        the group has factors: the dense or the segmented kernel)."""
         out = packed_weights.linear(x, self.base, self.bias)
-        if self.a is not None:
+        if self.segments is not None:
+            gather, take, rows, m = self.segments
+            xs = x.reshape(x.shape[0], x.shape[-1]).index_select(0, gather).view(self.a.shape[0], m, -1)
+            h = torch.bmm(xs, self.a)  # [U, m, G r]
+            flat, rank, col = out.view(x.shape[0], -1), self.b[0].shape[1], 0
+            for g, b in enumerate(self.b):  # each module's B on its own r columns of h: no zeros read
+                y = torch.bmm(h[:, :, g * rank:(g + 1) * rank], b).view(gather.shape[0], -1)
+                if take is not None:
+                    y = y.index_select(0, take)
+                flat[:, col:col + b.shape[2]].index_add_(0, rows, y, alpha=self.scaling)
+                col += b.shape[2]
+        elif self.a is not None:
             h = packed_weights.linear(x.reshape(x.shape[0], -1, x.shape[-1]), self.a) * self.mask
             out.add_(packed_weights.linear(h, self.b).reshape(out.shape), alpha=self.scaling)
         return list(out.split(self.sizes, dim=-1))
@@ -273,11 +315,16 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
     # only the slots this batch uses (a propose phase routes to the teachers alone):
     # packed once per set of slots, kept while the factors stay the same
     used = tuple(routing.used_slots()[0])
-    factors = cache["lora"].get(used)
+    segmented = len(used) > 1 and SEGMENTED and dtype == torch.float32
+    factors = cache["lora"].get((segmented, used))
     if factors is None:
         if len(cache["lora"]) >= USED_SETS_KEPT:
             cache["lora"].clear()
-        factors = cache["lora"][used] = _packed_factors(stacks, used, sizes)
+        make = _segment_factors if segmented else _packed_factors
+        factors = cache["lora"][(segmented, used)] = make(stacks, used, sizes)
+    if segmented:
+        return PackedGroup(cache["base"], cache["bias"], sizes, factors, scaling=modules[0].scaling,
+                           segments=routing.segments())
     rank = stacks[0][0].shape[1]
     mask = routing.row_mask(len(used), rank, dtype, cache["base"].device, groups=len(modules), used_only=True,
                             stacked=_stacked(sizes))
@@ -287,13 +334,15 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
 def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
     """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
     projection or several that read the same input (q/k/v, gate/up): one packed product
-    for the base and, at one token per row, one per LoRA factor (`A` of all modules side by
-    side, `B` block-diagonal or, for modules of one output width, stacked: `_packed_factors`;
-    the dense kernel of `MultiLoraLinear`, over the slots the batch
-    uses only: a propose phase of 2 teachers in a population of 4 computes 2 slots, not 4).
-    None where it does not apply (then call the modules): decoding only (`Routing.packed`,
-    no gradients), bf16 or fp32 weights on a oneDNN CPU (`multilora.packed.supported`), the same routing, rank and scaling, biases
-    on all modules or on none.
+    for the base and, at one token per row, the LoRA terms of all modules at once, over the
+    slots the batch uses only (a propose phase of 2 teachers in a population of 4 computes
+    2 slots, not 4): with one slot, one packed product per factor (`A` of all modules side
+    by side, `B` block-diagonal or, for modules of one output width, stacked:
+    `_packed_factors`; the dense kernel of `MultiLoraLinear`); with several in fp32, the
+    segmented kernel (`_segment_factors`, `SEGMENTED`). None where it does not apply (then
+    call the modules): decoding only (`Routing.packed`, no gradients), bf16 or fp32 weights
+    on a oneDNN CPU (`multilora.packed.supported`), the same routing, rank and scaling,
+    biases on all modules or on none.
 
     Prefill with adapters (several tokens per row): the fused base product, then each
     module's own gather kernel for its LoRA term.
@@ -314,10 +363,29 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
 # Sets of used slots whose packed factors `packed_group` keeps per group of projections
 USED_SETS_KEPT = 8
 
+# fp32 decoding with several slots in a batch takes the segmented kernel (module
+# docstring). SmolLM2-135M's shapes, 16 rows of 8 slots of rank 16, 1 thread, 30 layers'
+# factors streamed as in a decode step, thread CPU time of the LoRA terms of one layer
+# over its packed base products (q/k/v, o, gate/up, down): fp32 1045 us dense, 650 us
+# segmented; bf16 490 us dense, 790 us segmented (CPU bf16 batched matmuls are slow), so
+# bf16 keeps the dense kernel. The floor is reading the factors: 8 slots x rank 16 of the
+# 7 projections in fp32 are 5.2 MB a layer, 37 % of the base's 14 MB.
+SEGMENTED = True
+
 
 def _stacked(sizes: list[int]) -> bool:
     """Whether a group's `B` is stacked rather than block-diagonal (`_packed_factors`)."""
     return len(sizes) > 1 and len(set(sizes)) == 1
+
+
+def _segment_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: tuple[int, ...],
+                     sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The segmented kernel's factors of slots `used`: `A` of the G modules side by side
+    per slot `[U, in, G r]` (one product for the group), and each module's `B^T` per slot
+    `[U, r, out]` (module g's product reads its own `r` columns of `h`)."""
+    index = torch.tensor(used, device=stacks[0][0].device)
+    a = torch.cat([a.index_select(0, index) for a, _ in stacks], dim=1).transpose(1, 2).contiguous()
+    return a, [bt.index_select(0, index) for _, bt in stacks]
 
 
 def _packed_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: tuple[int, ...], sizes: list[int]) -> tuple:

@@ -69,7 +69,8 @@ def test_multilora_layer_packed_matches_the_dense_kernel():
             plain = layer(x)
             routing.packed = True
             fast = packed_group([layer], x)[0]
-        assert used in layer.__dict__["_populora_group"]["lora"]  # the packed LoRA path ran
+        # the packed LoRA path ran (bf16: the dense kernel, `test_segmented_kernel_is_the_dense_one`)
+        assert (False, used) in layer.__dict__["_populora_group"]["lora"]
         # the LoRA term is rounded to bf16 before it is added (addmm adds it unrounded)
         assert torch.allclose(fast.float(), plain.float(), atol=0.05, rtol=0.02)
     layer.invalidate()
@@ -155,6 +156,7 @@ def test_stacked_b_is_the_block_diagonal_one(widths, monkeypatch):
     routing, layers = _group(False, widths=widths)
     x = torch.randn(6, 1, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     routing.slots = torch.tensor([0, 1, 2, 2, 1, 0])
+    monkeypatch.setattr(layer_mod, "SEGMENTED", False)  # the dense kernel's factors
     with torch.inference_mode():
         routing.packed = True
         stacked = packed_group(layers, x)
@@ -167,6 +169,43 @@ def test_stacked_b_is_the_block_diagonal_one(widths, monkeypatch):
     for s, b, m in zip(stacked, block, separate):
         assert torch.equal(s, b)
         assert torch.allclose(s.float(), m.float(), atol=0.05, rtol=0.02), (s - m).abs().max()
+
+
+@pytest.mark.skipif(not packed.supported(torch.zeros(1)), reason="no oneDNN on this CPU")
+@pytest.mark.parametrize("slots", [[0, 1, 2, 2, 1, 0], [2, 2, 2, 0, 2, 1], [1, 1, 0, 1, 1, 1]])
+def test_segmented_kernel_is_the_dense_one(slots, monkeypatch):
+    """Rows grouped by slot and padded to the largest group (`Routing.segments`) give each
+    row its own slot's term, as the dense kernel does, to fp32 summation order; groups of
+    equal size need no padding. bf16 keeps the dense kernel."""
+    from multilora import layer as layer_mod
+
+    routing, layers = _group(True)
+    dtype = torch.float32
+    for m in layers:
+        m.base.to(dtype)
+    x = torch.randn(6, 1, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    routing.slots = torch.tensor(slots)
+    gather, take, rows, m = routing.segments()
+    assert sorted(rows.tolist()) == list(range(6)) and gather.numel() == len(set(slots)) * m
+    assert (take is None) == (len(set(slots)) * m == 6)
+    with torch.inference_mode():
+        routing.packed = True
+        segmented = packed_group(layers, x)
+        assert layer_mod.group_plan(layers, dtype).segments is not None
+        monkeypatch.setattr(layer_mod, "SEGMENTED", False)
+        dense = packed_group(layers, x)
+        routing.packed = False
+        separate = [m(x) for m in layers]
+        monkeypatch.setattr(layer_mod, "SEGMENTED", True)
+        routing.packed = True
+        for m in layers:
+            m.base.to(torch.bfloat16)
+            m.invalidate()
+        if packed.supported(torch.zeros(1, dtype=torch.bfloat16)):
+            assert layer_mod.group_plan(layers, torch.bfloat16).segments is None
+    for s, d, p in zip(segmented, dense, separate):
+        assert torch.allclose(s, d, atol=1e-5, rtol=1e-5), (s - d).abs().max()
+        assert torch.allclose(s, p, atol=1e-5, rtol=1e-5), (s - p).abs().max()
 
 
 def test_packed_group_declines_outside_decoding():
