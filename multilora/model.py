@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,28 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
+# oneDNN instruction-set caps (`ONEDNN_MAX_CPU_ISA`) below which bf16 products are emulated.
+# A cap makes a CPU with bf16 units behave as one without (with `ATEN_CPU_CAPABILITY=avx2`
+# and `MKL_ENABLE_INSTRUCTIONS=AVX2` for torch's own kernels and MKL: an AVX2-only CPU,
+# emulated; docs/performance.md "Per CPU kind").
+NO_BF16_ISA_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                              "AVX512_CORE_VNNI"})
+
+
+def isa_cap() -> str | None:
+    """The oneDNN instruction-set cap set in the environment, upper-cased, or None."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap.strip().upper() if cap else None
+
+
 def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`proc_cpu_flags`), without the bf16 ones where `isa_cap`
+    keeps oneDNN from using them."""
+    flags = proc_cpu_flags()
+    return flags - BF16_CPU_FLAGS if isa_cap() in NO_BF16_ISA_CAPS else flags
+
+
+def proc_cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -20,6 +20,19 @@ def test_auto_follows_the_cpu_flags(monkeypatch):
     assert resolve_dtype("auto", "cpu") == torch.float32
 
 
+def test_an_instruction_set_cap_hides_the_bf16_units(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16: auto then runs fp32, as on an
+    AVX2-only CPU; a cap that keeps the bf16 units changes nothing."""
+    monkeypatch.setattr(model_mod, "proc_cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert model_mod.isa_cap() == "AVX2" and resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert model_mod.isa_cap() is None and resolve_dtype("auto", "cpu") == torch.bfloat16
+
+
 def test_explicit_names_and_a_bad_one():
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="model.dtype"):
@@ -42,3 +55,12 @@ def test_config_default_is_auto(tmp_path):
     assert load_config(path, []).model.dtype == "auto"
     with pytest.raises(Exception, match="model.dtype"):
         load_config(path, ["model.dtype=bf16"])
+
+
+def test_bench_figures_name_the_cap(monkeypatch):
+    """A figure measured under a cap says so and counts as the kind it emulates."""
+    import bench
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    m = bench.machine()
+    assert m["isa_cap"] == "AVX2" and m["cpu_kind"] != "bf16"
