@@ -369,8 +369,9 @@ USED_SETS_KEPT = 8
 # over its packed base products (q/k/v, o, gate/up, down): fp32 1045 us dense, 650 us
 # segmented; bf16 490 us dense, 790 us segmented (CPU bf16 batched matmuls are slow), so
 # bf16 keeps the dense kernel (on an AMX Xeon too: the 8-adapter chat decode of
-# bench.multilora took 4.8-4.9 s dense, 5.3-5.4 s segmented). The floor is reading the factors: 8 slots x rank 16 of the
-# 7 projections in fp32 are 5.2 MB a layer, 37 % of the base's 14 MB.
+# bench.multilora took 4.8-4.9 s dense, 5.3-5.4 s segmented). The floor is reading the
+# factors: 8 slots x rank 16 of the 7 projections in fp32 are 5.2 MB a layer, 37 % of the
+# base's 14 MB.
 SEGMENTED = True
 
 
