@@ -32,26 +32,24 @@ def results_dir() -> Path:
 def machine() -> dict:
     """The CPU a figure was measured on: model, cores, and the flags that decide the base's
     dtype (`avx512_bf16`, `amx_bf16`: bf16 runs natively; without them bf16 is emulated and
-    `model.dtype: auto` runs fp32), and an instruction-set cap set in the environment."""
-    from multilora.model import NO_BF16_ISA_CAPS, isa_cap  # torch: not before `use_allocator`
+    `model.dtype: auto` runs fp32), and an instruction-set cap set in the environment. The
+    kind is the one `model.dtype: auto` sees (`multilora.model.bf16_is_fast`)."""
+    from multilora.model import bf16_is_fast, isa_cap, proc_cpu_flags  # torch: not before `use_allocator`
 
-    model, flags = platform.processor() or platform.machine(), set()
+    model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and value.strip():
                 model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
                 break
     except OSError:
         pass
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    cap = isa_cap()  # an instruction-set cap hides the bf16 units (`multilora.model.cpu_flags`)
-    native = bf16 and cap not in NO_BF16_ISA_CAPS
-    return {"cpu_model": model, "cpu_count": os.cpu_count(), "cpu_bf16_flags": bf16, "isa_cap": cap,
-            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
-            "cpu_kind": "bf16" if native else ("avx2" if "avx2" in flags else "other")}
+    flags = proc_cpu_flags()
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "cpu_bf16_flags": [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
+            "isa_cap": isa_cap(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "cpu_kind": "bf16" if bf16_is_fast("cpu") else ("avx2" if "avx2" in flags else "other")}
 
 
 def write_result(name: str, result: dict) -> None:
