@@ -38,6 +38,9 @@ class RunConfig:
     overwrite: bool = True
     checkpoint_every: int = 2  # C: write checkpoint/ every C steps (and at the end); 0: only at the end
     max_recoveries: int = 3  # actor failures survived by restoring the last checkpoint
+    # checkpoints kept (the newest N): a resume takes the newest intact one, so one corrupt
+    # file does not lose the run
+    keep_checkpoints: int = 2
 
 
 @dataclass
@@ -127,6 +130,23 @@ class TasksConfig:
     # valid and often unsolved, so without this rule self-play teaches teachers to copy.
     # Not in the PopuLoRA paper (AZR only asks its proposer to differ from the references)
     reject_copies: bool = True
+    # a task that a blind guess answers tests nothing (verifier_sandbox.tasks.trivial_reason:
+    # code_i/code_o: f reads none of its parameters; code_i: the output given back as the
+    # input reproduces it; code_o: the output is one of the input's arguments; code_f: a
+    # constant or one argument unchanged reproduces every output). Such a proposal is invalid
+    # (reason "trivial: ..."), a forfeit, and never enters the task buffer
+    reject_trivial: bool = True
+    # the program a student sees is what `f` executes: top-level expression statements (the
+    # `print(f(1))` a model appends) and functions `f` never calls are dropped before
+    # validation (verifier_sandbox.structure.strip_dead_code); what is left is validated
+    strip_dead_code: bool = True
+    # a valid code_i / code_o proposal whose structure (verifier_sandbox.structure_hash: what
+    # `f` executes, names and constants abstracted) was valid in the last `repeat_window`
+    # steps, or appears more than once among the step's proposals, is a repeat: its reward is
+    # min(its reward, the structure's reward when it was new) - repeat_penalty, so a repeat
+    # always earns less than the same program did when new. 0: off (the paper's rewards)
+    repeat_penalty: float = 0.5
+    repeat_window: int = 4
 
 
 @dataclass
@@ -320,7 +340,7 @@ def _validate(cfg: Config) -> None:
                 "tasks.propose_max_new_tokens", "tasks.solve_max_new_tokens", "verifier.min_workers",
                 "verifier.max_workers", "verifier.timeout_s", "verifier.memory_mb",
                 "learner.micro_batch", "learner.epochs", "learner.is_cap", "inference.max_batch", "tasks.buffer_size",
-                "population.recovery_updates"):
+                "population.recovery_updates", "run.keep_checkpoints", "tasks.repeat_window"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     if cfg.verifier.max_workers < cfg.verifier.min_workers:
@@ -348,7 +368,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"learner.shards: {cfg.learner.shards} shards for {members} members would leave a shard "
                           f"without an adapter (at most {members})")
     for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games",
-                "pipeline.max_staleness"):
+                "pipeline.max_staleness", "tasks.repeat_penalty"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")
