@@ -30,6 +30,13 @@ def _texts(request: dict, key: str) -> list[str] | None:
     return value
 
 
+def _flag(request: dict, key: str, default: bool = True) -> bool:
+    value = request.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"'{key}' must be true or false")
+    return value
+
+
 def _limits(request: dict) -> dict:
     limits = {}
     for key in _LIMITS:
@@ -50,7 +57,8 @@ def _dispatch(op: str, request: dict) -> dict:
     if op == "validate":
         return validate(task_type, _text(request, "program"),
                         input=_text(request, "input", required=False),
-                        inputs=_texts(request, "inputs"), **limits).to_dict()
+                        inputs=_texts(request, "inputs"), reject_trivial=_flag(request, "reject_trivial"),
+                        strip_dead=_flag(request, "strip_dead_code"), **limits).to_dict()
     return check(task_type, _text(request, "program", "", required=False) or "",
                  _text(request, "answer"),
                  input=_text(request, "input", required=False),

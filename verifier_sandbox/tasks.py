@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from . import screening
 from .execute import VALIDATION_SEEDS, RunResult, run_program
+from .structure import reads_parameters, strip_dead_code
 
 TASK_TYPES = ("code_i", "code_o", "code_f")
 MALFORMED = "malformed"
@@ -19,16 +20,30 @@ WRONG = "wrong"
 # task's prompts show it, and one program printed a 10,000-element list (78k tokens, past
 # any small model's context; a student prompt that long took the inference server's memory)
 MAX_OUTPUT_CHARS = 1000
+# code_i inputs a student can try without reading the program: the smallest values of the
+# common argument types. Chosen on the committed local study's record (docs/design.md
+# "Trivial tasks"): of the valid code_i tasks that pass the other rules, these answer 30 % at
+# learning rate 0 and 50 % after training (2T2S; `f(1)` alone 41 of 105, none at lr 0): the
+# teachers learn to pick such edge inputs. Booleans add nothing (True and False are 1 and 0
+# by value); the program's own literals answered 2 of 40 at lr 0 and are left out
+BLIND_GUESSES = ("0", "1", "''", "[]")
 
 
 @dataclass(frozen=True)
 class Validation:
-    """Whether a proposed task is valid, and its gold output(s) when it is."""
+    """Whether a proposed task is valid, and its gold output(s) when it is.
+
+    `trivial`: why a blind guess answers the task (`trivial_reason`), or None; with
+    `reject_trivial` such a task is invalid and `reason` is the same text. `program`: the
+    program validated when dead code was stripped from the one proposed (the task's program
+    from then on); None when it was validated as proposed."""
 
     valid: bool
     reason: str | None = None
     output: str | None = None
     outputs: list[str] | None = None
+    trivial: str | None = None
+    program: str | None = None
 
     def to_dict(self) -> dict:
         """The CLI JSON contract: every field that is not None."""
@@ -167,17 +182,24 @@ def _gold_output(program: str, call: str, timeout_s: float, memory_mb: int
 
 def validate(task_type: str, program: str, input: str | None = None,
              inputs: list[str] | None = None, timeout_s: float = 5.0,
-             memory_mb: int = 512) -> Validation:
-    """Checks a proposed task: screening, a single `f`, and two deterministic isolated runs.
+             memory_mb: int = 512, reject_trivial: bool = True,
+             strip_dead: bool = True) -> Validation:
+    """Checks a proposed task: screening, a single `f`, two deterministic isolated runs, and
+    (`reject_trivial`) that no blind guess answers it (`trivial_reason`).
 
     code_i / code_o take `input` and return `output`; code_f takes `inputs` (>= 1, distinct
     by value: `"[1,2]"` and `"[1, 2]"` are one input shown twice) and returns `outputs`.
+    With `strip_dead` the program loses what `f` never executes first
+    (`structure.strip_dead_code`) and the stripped program is the one validated.
     """
     if task_type not in TASK_TYPES:
         return Validation(False, f"unknown task type {task_type!r}")
     reason = _program_reason(program)
     if reason:
         return Validation(False, reason)
+    stripped = strip_dead_code(program) if strip_dead else program
+    changed = stripped if stripped != program else None
+    program = stripped
     if task_type == "code_f":
         if not isinstance(inputs, list) or not inputs:
             return Validation(False, "code_f needs a non-empty list of inputs")
@@ -194,14 +216,76 @@ def validate(task_type: str, program: str, input: str | None = None,
             if reason:
                 return Validation(False, f"input {index}: {reason}")
             outputs.append(output)
-        return Validation(True, outputs=outputs)
+        trivial = trivial_reason(task_type, program, inputs=inputs, outputs=outputs)
+        if trivial and reject_trivial:
+            return Validation(False, trivial, trivial=trivial, program=changed)
+        return Validation(True, outputs=outputs, trivial=trivial, program=changed)
     call = build_call(input)
     if call is None:
         return Validation(False, "input is not a literal argument list")
     output, reason = _gold_output(program, call, timeout_s, memory_mb)
     if reason:
         return Validation(False, reason)
-    return Validation(True, output=output)
+    trivial = trivial_reason(task_type, program, input=input, output=output, timeout_s=timeout_s,
+                             memory_mb=memory_mb)
+    if trivial and reject_trivial:
+        return Validation(False, trivial, trivial=trivial, program=changed)
+    return Validation(True, output=output, trivial=trivial, program=changed)
+
+
+def trivial_reason(task_type: str, program: str, input: str | None = None, output: str | None = None,
+                   inputs: list[str] | None = None, outputs: list[str] | None = None,
+                   timeout_s: float = 5.0, memory_mb: int = 512) -> str | None:
+    """Why a blind guess answers this (valid) task, or None when none does. The text begins
+    with "trivial".
+
+    code_i / code_o: `f` reads none of its parameters (every input gives the output, and the
+    output is fixed whatever the input). code_i: the output given back as the input
+    reproduces it (`f(output) == output`), or one of `BLIND_GUESSES` does (each guess runs in
+    the sandbox like any program). code_o: the
+    output equals one of the input's arguments by value (the answer is in the question).
+    code_f: a function returning a constant, or one argument unchanged, reproduces every
+    output (the pairs show no computation).
+    """
+    if task_type in ("code_i", "code_o"):
+        if reads_parameters(program) is False:
+            return "trivial: f reads none of its parameters"
+        expected = parse_literal(output)
+        if expected is _NOT_LITERAL:
+            return None
+        if task_type == "code_o":
+            values = _argument_values(input)
+            if values is not None:
+                for k, value in enumerate([*values[0], *(v for _, v in values[1])]):
+                    if equal_values(value, expected) and equal_values(expected, value):
+                        return f"trivial: the output is argument {k} of the input"
+            return None
+        for guess in (output, *BLIND_GUESSES):
+            call = build_call(guess)
+            if call is None:
+                continue
+            run = run_program(program, call, timeout_s, memory_mb)
+            if run.status == "ok":
+                value = parse_literal(run.result)
+                if value is not _NOT_LITERAL and equal_values(value, expected) and equal_values(expected, value):
+                    return ("trivial: the output given back as the input reproduces it" if guess is output
+                            else f"trivial: the blind guess f({guess}) gives the output")
+        return None
+    if task_type != "code_f" or not inputs or not outputs or len(inputs) != len(outputs):
+        return None
+    parsed = [parse_literal(o) for o in outputs]
+    if any(v is _NOT_LITERAL for v in parsed):
+        return None
+    if all(equal_values(v, parsed[0]) and equal_values(parsed[0], v) for v in parsed):
+        return "trivial: a constant reproduces every output"
+    arguments = [_argument_values(text) for text in inputs]
+    if any(a is None for a in arguments):
+        return None
+    flat = [[*a[0], *(v for _, v in a[1])] for a in arguments]
+    for k in range(min(len(a) for a in flat)):
+        if all(equal_values(a[k], v) and equal_values(v, a[k]) for a, v in zip(flat, parsed)):
+            return f"trivial: argument {k} unchanged reproduces every output"
+    return None
 
 
 def _run_matches(program: str, call: str, expected: object, timeout_s: float,
