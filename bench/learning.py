@@ -79,7 +79,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"valid_rate_every_type": 0.25, "signal_share_teacher": 0.5, "student_solve_rate_max": 0.0,
            "valid_rate_last_third_vs_first_third": 1.3, "novel_valid_rate_code_i_code_o": 0.2,
            "novel_valid_rate_last_third_vs_first_third": 1.3, "copy_rate_last_third": 0.2,
-           "novel_trend_vs_control": 1.2}
+           "novel_trend_vs_control": 1.2, "informative_trend_vs_control": 1.2, "distinct_share_last_third": 0.6,
+           "program_nodes_last_vs_first_third": 0.8}
 WRITES_PROGRAM = ("code_i", "code_o")  # the task types whose program the teacher writes
 
 
@@ -104,7 +105,8 @@ def run_seed(config: Path, seed: int, steps: int, overrides: list[str], out: Pat
 def run_seed_to_file(config: Path, seed: int, steps: int, overrides: list[str], out: Path, dump: Path) -> None:
     """`run_seed` in this process, its results written as JSON to `dump` (for --parallel)."""
     summaries, tasks = run_seed(config, seed, steps, overrides, out)
-    keep = ("step", "task_type", "valid", "reason", "copy_of", "copy_exact", "program_source")
+    keep = ("step", "task_type", "valid", "reason", "copy_of", "copy_exact", "program_source", "program",
+            "structure", "structure_nodes", "trivial", "repeat_of")
     dump.write_text(json.dumps({"summaries": summaries, "tasks": [{k: t[k] for k in keep} for t in tasks]}))
 
 
@@ -156,6 +158,100 @@ def _copy_rate(rows: list[dict]) -> float | None:
     """Copies among the proposals that write a program (code_i, code_o)."""
     writes = [t for t in rows if t["task_type"] in WRITES_PROGRAM]
     return float(np.mean([t.get("copy_of") is not None for t in writes])) if writes else None
+
+
+def _informative(t: dict) -> bool:
+    """Valid, not a copy, not trivial, not a repeat (driver.collapse)."""
+    return _novel(t) and not t.get("trivial") and t.get("repeat_of") is None
+
+
+def _informative_rate(rows: list[dict]) -> float | None:
+    return float(np.mean([_informative(t) for t in rows])) if rows else None
+
+
+def _programs(rows: list[dict]) -> list[dict]:
+    """The valid, novel code_i / code_o programs (the ones whose structure counts)."""
+    return [t for t in rows if t["task_type"] in WRITES_PROGRAM and _novel(t) and t.get("structure")]
+
+
+def _distinct_share(rows: list[dict]) -> float | None:
+    programs = _programs(rows)
+    return len({t["structure"] for t in programs}) / len(programs) if programs else None
+
+
+def _mean_nodes(rows: list[dict]) -> float | None:
+    sizes = [t["structure_nodes"] for t in _programs(rows) if t.get("structure_nodes") is not None]
+    return float(np.mean(sizes)) if sizes else None
+
+
+def collapse_figures(per_seed: dict[int, tuple[list[dict], list[dict]]], steps: int) -> dict:
+    """Informative work, distinct structures, program size, trivial and repeated proposals."""
+    tasks = [t for _, ts in per_seed.values() for t in ts]
+    k = max(1, steps // 3)
+    first = lambda ts: [t for t in ts if t["step"] <= k]  # noqa: E731
+    last = lambda ts: [t for t in ts if t["step"] > steps - k]  # noqa: E731
+    types = sorted({t["task_type"] for t in tasks})
+
+    def by_step(fn):
+        return {**{str(seed): [fn([t for t in ts if t["step"] == j]) for j in range(1, steps + 1)]
+                   for seed, (_, ts) in per_seed.items()},
+                "all": [fn([t for t in tasks if t["step"] == j]) for j in range(1, steps + 1)]}
+
+    def nodes_ratio(ts):
+        a, b = _mean_nodes(first(ts)), _mean_nodes(last(ts))
+        return b / a if a and b is not None else None
+
+    def repeat_rate(rows):
+        programs = _programs(rows)
+        return float(np.mean([t.get("repeat_of") is not None for t in programs])) if programs else None
+
+    return {
+        "informative_valid_rate_by_type": {tt: _informative_rate([t for t in tasks if t["task_type"] == tt])
+                                           for tt in types},
+        "informative_valid_rate_by_step": by_step(_informative_rate),
+        "informative_valid_rate_last_third": {
+            **{str(seed): _informative_rate(last(ts)) for seed, (_, ts) in per_seed.items()},
+            "all": _informative_rate(last(tasks))},
+        "informative_valid_rate_last_third_vs_first_third": {
+            **{str(seed): third_ratio(ts, steps, _informative) for seed, (_, ts) in per_seed.items()},
+            "all": third_ratio(tasks, steps, _informative)},
+        # "all": the mean over seeds (a structure repeated across seeds is not a repeat)
+        "distinct_share_last_third": {**{str(seed): _distinct_share(last(ts)) for seed, (_, ts) in per_seed.items()},
+                                      "all": _mean([_distinct_share(last(ts)) for _, ts in per_seed.values()])},
+        "distinct_share_by_step": by_step(_distinct_share),
+        "program_nodes_by_step": by_step(_mean_nodes),
+        "program_nodes_last_vs_first_third": {**{str(seed): nodes_ratio(ts) for seed, (_, ts) in per_seed.items()},
+                                              "all": nodes_ratio(tasks)},
+        "trivial_rate_by_step": by_step(lambda rows: float(np.mean([bool(t.get("trivial")) for t in rows]))
+                                        if rows else None),
+        "repeat_rate_by_step": by_step(repeat_rate),
+        "top_structure_share_by_step": by_step(_top_share),
+        "most_frequent_programs_last_third": _most_frequent(last(tasks)),
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
+def _top_share(rows: list[dict]) -> float | None:
+    programs = _programs(rows)
+    if not programs:
+        return None
+    counts = defaultdict(int)
+    for t in programs:
+        counts[t["structure"]] += 1
+    return max(counts.values()) / len(programs)
+
+
+def _most_frequent(rows: list[dict], n: int = 5) -> list[dict]:
+    """The most frequent structures among the valid programs, with one program of each."""
+    groups = defaultdict(list)
+    for t in _programs(rows):
+        groups[t["structure"]].append(t)
+    top = sorted(groups.values(), key=len, reverse=True)[:n]
+    return [{"count": len(g), "program": g[-1].get("program")} for g in top]
 
 
 def _model_program_share(rows: list[dict]) -> float | None:
@@ -247,6 +343,12 @@ def summarise(per_seed: dict[int, tuple[list[dict], list[dict]]], steps: int) ->
         >= TARGETS["novel_valid_rate_last_third_vs_first_third"],
         "copy_rate_last_third": (result["copy_rate_last_third"] or 0.0) <= TARGETS["copy_rate_last_third"],
     }
+    figures = collapse_figures(per_seed, steps)
+    result["met"]["distinct_share_last_third"] = (figures["distinct_share_last_third"]["all"] or 0.0) >= TARGETS[
+        "distinct_share_last_third"]
+    result["met"]["program_nodes_last_vs_first_third"] = (
+        figures["program_nodes_last_vs_first_third"]["all"] or 0.0) >= TARGETS["program_nodes_last_vs_first_third"]
+    result.update(figures)
     result["targets"] = TARGETS
     return result
 
@@ -257,6 +359,14 @@ def versus_control(learning: dict, control: dict) -> dict:
     a = learning["novel_valid_rate_last_third_vs_first_third"]
     b = control["novel_valid_rate_last_third_vs_first_third"]
     return {k: (a[k] / b[k] if a.get(k) is not None and b.get(k) else None) for k in a if k != "min"}
+
+
+def informative_versus_control(learning: dict, control: dict) -> dict:
+    """The learning arm's informative-valid trend (last third over first) over the control's,
+    per seed and pooled ("all"); None where a trend is unknown or the control's is 0."""
+    a = learning["informative_valid_rate_last_third_vs_first_third"]
+    b = control["informative_valid_rate_last_third_vs_first_third"]
+    return {k: (a[k] / b[k] if a.get(k) is not None and b.get(k) else None) for k in a}
 
 
 def main() -> None:
@@ -311,6 +421,14 @@ def main() -> None:
         result["novel_trend_vs_control"] = versus_control(result, result["control"])
         trend = result["novel_trend_vs_control"]["all"]
         result["met"]["novel_trend_vs_control"] = trend is not None and trend >= TARGETS["novel_trend_vs_control"]
+        result["informative_trend_vs_control"] = informative_versus_control(result, result["control"])
+        trend = result["informative_trend_vs_control"]["all"]
+        result["met"]["informative_trend_vs_control"] = (
+            trend is not None and trend >= TARGETS["informative_trend_vs_control"])
+        mine, theirs = result["informative_valid_rate_last_third"], result["control"]["informative_valid_rate_last_third"]
+        above = [s for s in mine if s != "all" and mine[s] is not None and theirs.get(s) is not None
+                 and mine[s] > theirs[s]]
+        result["informative_last_third_above_control_seeds"] = len(above)
     result.update({"config": str(config.relative_to(ROOT)), "steps": steps, "seeds": seeds,
                    "overrides": base, "arms": arms, "side_by_side": not args.sequential and len(jobs) > 1,
                    "total_seconds": time.perf_counter() - start, "smoke": args.smoke})

@@ -2,15 +2,38 @@
 
 Each buffer is a bounded FIFO (the oldest proposals leave first); the seed tasks are kept
 apart and never evicted, so every step has references even after a bad stretch.
+
+References are drawn over distinct structures (what `f` executes,
+`verifier_sandbox.structure_hash`), the newest task of each: drawn over entries, a program
+the teachers repeated would be shown as often as it was repeated, and the prompts would
+advertise the collapse they should escape. Measured on the committed local study's
+buffers (docs/learning.md): ...
 """
 
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 
 import numpy as np
 
 from driver.records import Task
+from verifier_sandbox import structure_hash
+
+
+@lru_cache(maxsize=8192)
+def _structure(program: str) -> str:
+    return structure_hash(program) or program
+
+
+def distinct(pool: list[Task]) -> list[Task]:
+    """One task per structure, the newest (the last in `pool`), in order of that newest occurrence."""
+    newest: dict[str, Task] = {}
+    for task in pool:
+        key = _structure(task.program)
+        newest.pop(key, None)  # re-inserted: dict order follows the newest occurrence
+        newest[key] = task
+    return list(newest.values())
 
 
 class TaskBuffer:
@@ -25,7 +48,8 @@ class TaskBuffer:
         return self.seeds[task_type] + list(self.proposed[task_type])
 
     def sample(self, task_type: str, k: int, rng: np.random.Generator) -> list[Task]:
-        pool = self.tasks(task_type)
+        """k tasks of distinct structures (fewer when the buffer holds fewer)."""
+        pool = distinct(self.tasks(task_type))
         idx = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
         return [pool[i] for i in idx]
 
@@ -37,7 +61,7 @@ class TaskBuffer:
         return self.seeds.get("code_f", []) + proposed
 
     def sample_induction(self, k: int, rng: np.random.Generator) -> list[Task]:
-        pool = self.induction_sources()
+        pool = distinct(self.induction_sources())
         idx = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
         return [pool[i] for i in idx]
 

@@ -28,7 +28,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
-from driver import checkpoint, novelty, recovery
+from driver import checkpoint, collapse, novelty, recovery
 from driver.buffer import TaskBuffer
 from driver.config import Config
 from driver.extraction import extract_answer, parse_proposal
@@ -65,8 +65,11 @@ class StepContext:
     telemetry: Telemetry = field(default_factory=Telemetry)
     trackers: Trackers = field(default_factory=Trackers)  # logging.tensorboard / logging.wandb
     seconds: dict[str, float] = field(default_factory=dict)
-    last: str = "valid=- novel=- copies=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
+    last: str = "valid=- informative=- distinct=- copies=- solve=- t_reward=- signal=-"  # the previous step's figures, shown beside the phase
     low_signal: LowSignalWatch = field(default_factory=LowSignalWatch)
+    collapse_watch: collapse.CollapseWatch = field(default_factory=collapse.CollapseWatch)
+    # structures of the recent valid code_i / code_o tasks: what a repeat repeats (tasks.repeat_window)
+    repeats: collapse.RepeatRegistry = field(default_factory=lambda: collapse.RepeatRegistry(4))
     summaries: list[dict] = field(default_factory=list)  # record_step's summary of every step this process ran
     coverage: set[str] = field(default_factory=set)  # ast_hash of every novel valid program the teachers wrote
     version: int = 0  # updates the learner has applied: the version of the adapters the server holds
@@ -97,8 +100,9 @@ class Generated:
     tasks: list[Task]
     rollouts: list[Rollout]
     rates: list[float]  # rho(t, s, p) of each valid task, in `tasks` order
-    teacher_rewards: list[float]
+    teacher_rewards: list[float]  # with each repeat's cost (driver.collapse)
     seconds: dict[str, float]
+    work: list[collapse.WorkFlags] = field(default_factory=list)  # per proposal: structure, size, trivial, repeat
 
     @property
     def solve_rates(self) -> dict[int, float]:
@@ -151,7 +155,11 @@ def generate(ctx: StepContext, step: int) -> Generated:
     with ctx.phase("solve", seconds):
         rollouts = solve(ctx, tasks, [matches[t.teacher] for t in tasks])
     solve_rates = task_solve_rates(tasks, rollouts)
-    teacher_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
+    base_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
+    structures = [collapse.structure(p.program) for p in proposals]
+    repeats = ctx.repeats.repeats(step, proposals, structures)
+    teacher_rewards = ctx.repeats.penalised(base_rewards, structures, repeats, ctx.cfg.tasks.repeat_penalty)
+    ctx.repeats.record(step, proposals, structures, base_rewards)
     # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
     ray.get(actors.population.record.remote(
         [(p.teacher, matches[p.teacher], solve_rates[id(p.task)] if p.task is not None else None)
@@ -159,7 +167,7 @@ def generate(ctx: StepContext, step: int) -> Generated:
     for t in tasks:
         ctx.buffer.add(t)
     return Generated(step, ctx.version, matches, proposals, tasks, rollouts, [solve_rates[id(t)] for t in tasks],
-                     teacher_rewards, seconds)
+                     teacher_rewards, seconds, collapse.flags(proposals, structures, repeats))
 
 
 # ---- phases ----------------------------------------------------------------------------
@@ -205,10 +213,11 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
     for i, ((_, task_type, refs), p) in enumerate(zip(jobs, parsed)):
         if p.error is not None or (t.reject_copies and copies[i] is not None):  # a copy is not a new task
             continue
+        rules = {"reject_trivial": t.reject_trivial, "strip_dead_code": t.strip_dead_code}
         if task_type == "code_f":  # the program is the reference's; the teacher chose inputs
-            requests.append({"task_type": "code_f", "program": refs[0].program, "inputs": list(p.inputs)})
+            requests.append({"task_type": "code_f", "program": refs[0].program, "inputs": list(p.inputs), **rules})
         else:
-            requests.append({"task_type": task_type, "program": p.program, "input": p.input})
+            requests.append({"task_type": task_type, "program": p.program, "input": p.input, **rules})
         asked.append(i)
     verdicts = dict(zip(asked, ctx.actors.verifier.validate(requests))) if requests else {}
     proposals = []
@@ -217,6 +226,7 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
         rejected = t.reject_copies and copies[i] is not None
         valid = bool(v and v.get("valid")) and not rejected
         program = refs[0].program if task_type == "code_f" else p.program
+        program = (v or {}).get("program") or program  # what `f` executes, dead code stripped
         task = None
         if valid:
             if task_type == "code_f":
@@ -231,7 +241,7 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
         proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
                                   tuple(p.inputs), p.message, valid, reason, task, source, c.supplied, copies[i],
                                   novelty.exact_copy(task_type, p.program, refs) if p.error is None else False,
-                                  c.logprobs))
+                                  c.logprobs, (v or {}).get("trivial")))
     return proposals
 
 
@@ -359,6 +369,10 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
 
 
 # ---- records ---------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def copy_rate(proposals: list[Proposal]) -> float | None:
     """Copies of a seed or a shown reference among the proposals that write a program
     (code_i, code_o); None when there are none."""
@@ -383,8 +397,8 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     # the learner refuses (and counts) samples older than pipeline.max_staleness versions
     dropped += int(sum(s.get("refused", 0.0) for s in stats.values()))
     by_teacher, by_student = defaultdict(list), defaultdict(list)
-    for p, r in zip(proposals, teacher_rewards):
-        by_teacher[p.teacher].append((p, r))
+    for p, r, w in zip(proposals, teacher_rewards, gen.work):
+        by_teacher[p.teacher].append((p, r, w))
     for r in rollouts:
         by_student[r.student].append(r)
     hashes = [ast_hash(p.program) if p.program else None for p in proposals]
@@ -403,10 +417,13 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "step": step, "member": m,
             "role": "agent" if single else ("teacher" if m in by_teacher or m in teachers else "student"),
             "alive": m in teachers or m in students, "roles_played": ",".join(roles),
-            "teacher/valid_rate": float(np.mean([p.valid for p, _ in tp])) if tp else None,
-            "teacher/novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p, _ in tp])) if tp else None,
-            "teacher/copy_rate": copy_rate([p for p, _ in tp]),
-            "teacher/reward": float(np.mean([r for _, r in tp])) if tp else None,
+            "teacher/valid_rate": float(np.mean([p.valid for p, _, _ in tp])) if tp else None,
+            "teacher/novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p, _, _ in tp]))
+            if tp else None,
+            "teacher/copy_rate": copy_rate([p for p, _, _ in tp]),
+            "teacher/reward": float(np.mean([r for _, r, _ in tp])) if tp else None,
+            **{f"teacher/{k}": (v if tp else None) for k, v in
+               collapse.figures([p for p, _, _ in tp], [w for _, _, w in tp]).items()},
             "student/solve_rate": float(np.mean([r.correct for r in sr])) if sr else None,
             "student/malformed_rate": float(np.mean([r.malformed for r in sr])) if sr else None,
             "student/reward": float(np.mean([r.reward for r in sr])) if sr else None,
@@ -428,7 +445,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
                                for m, r in ratings.items()])
     rates = {id(t): solve_rates[id(t)] for t in tasks}
     task_rows = []
-    for p, r, h in zip(proposals, teacher_rewards, hashes):
+    for p, r, h, w in zip(proposals, teacher_rewards, hashes, gen.work):
         cx = complexity(p.task.program) if p.task is not None else {}
         task_rows.append({
             "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
@@ -438,6 +455,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,
             **{k: cx.get(k) for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
             "ast_hash": h, "program_source": p.source, "copy_of": p.copy_of, "copy_exact": p.exact_copy,
+            "structure": w.structure, "structure_nodes": w.nodes, "trivial": w.trivial, "repeat_of": w.repeat_of,
         })
     ctx.run.append("tasks", task_rows)
     recovery.track(ctx.run.rows["lineage"], metrics, ctx.cfg.population.recovery_updates)  # earlier children
@@ -451,10 +469,12 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
         **recovery.birth_fields(e.role, e.parents[0], metrics),
     } for e, probe in events])
     ctx.run.flush()
+    work = collapse.figures(proposals, gen.work)
     summary = {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
         "novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p in proposals])) if proposals else 0.0,
         "copy_rate": copy_rate(proposals) or 0.0,
+        **{k: v for k, v in work.items()},
         "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
         "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
@@ -466,6 +486,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     }
     ctx.summaries.append(summary)
     ctx.low_signal.observe(step, signal)
+    ctx.collapse_watch.observe(step, work)
     return summary
 
 
@@ -516,16 +537,19 @@ def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = Non
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
         "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
         "coverage": sorted(ctx.coverage), "version": ctx.version, "pending": pending,
+        "repeats": ctx.repeats.state_dict(), "collapse_watch": ctx.collapse_watch.state_dict(),
     }
-    checkpoint.save(ctx.run.path / "checkpoint", step, {
-        "learner": learner, "inference": inference, "population": population, "driver": driver})
+    checkpoint.save(ctx.run.path / checkpoint.NAME, step, {
+        "learner": learner, "inference": inference, "population": population, "driver": driver},
+        keep=ctx.cfg.run.keep_checkpoints)
     return time.perf_counter() - start
 
 
 def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     """Bring every actor and the driver back to the last checkpoint; returns its step and the
     next step's samples when they were generated before it was written."""
-    step, parts = checkpoint.load(checkpoint.find(ctx.run.path))
+    step, parts, path = checkpoint.load_latest(ctx.run.path)
+    log.info("restoring checkpoint step %d from %s", step, path)
     a = ctx.actors
     a.learner.load_state_dict(parts["learner"])
     a.inference.load_state_dict(parts["inference"])
@@ -539,6 +563,9 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     ctx.run.load_state_dict(d["tables"])
     ctx.coverage = set(d.get("coverage", []))  # checkpoints from before coverage: counted from here on
     ctx.version = d.get("version", 0)
+    if "repeats" in d:  # checkpoints from before the repeat rule: repeats counted from here on
+        ctx.repeats.load_state_dict(d["repeats"])
+        ctx.collapse_watch.load_state_dict(d["collapse_watch"])
     a.sync(ctx.version)
     return step, d.get("pending")
 
@@ -572,7 +599,8 @@ def train(cfg: Config, resume: Path | None = None,
     bar = tqdm(total=cfg.run.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None)
 
     def make_ctx(buffer: TaskBuffer) -> StepContext:
-        return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar, trackers=trackers)
+        return StepContext(cfg, actors, buffer, np.random.default_rng(cfg.run.seed), run, bar, trackers=trackers,
+                           repeats=collapse.RepeatRegistry(cfg.tasks.repeat_window))
 
     try:
         pending: Generated | None = None  # the next step's samples, generated during the last update
@@ -608,12 +636,16 @@ def train(cfg: Config, resume: Path | None = None,
                 continue
             step, pending = step + 1, following
             bar.update(1)
-            ctx.last = (f"valid={s['valid_rate']:.2f} novel={s['novel_valid_rate']:.2f} copies={s['copy_rate']:.2f} "
+            ctx.last = (f"valid={s['valid_rate']:.2f} informative={_fmt(s['informative_valid_rate'])} "
+                        f"distinct={_fmt(s['distinct_share'])} copies={s['copy_rate']:.2f} "
                         f"solve={s['solve_rate']:.2f} t_reward={s['teacher_reward']:+.2f} "
                         f"signal={s['signal_share']:.2f}")
             bar.set_postfix_str(f"phase=done {ctx.last}")
-            log.info("step %d: valid %.2f novel valid %.2f copies %.2f solve %.2f teacher reward %+.2f signal %.2f "
-                     "tasks %d replaced %d | %s", step, s["valid_rate"], s["novel_valid_rate"], s["copy_rate"],
+            log.info("step %d: valid %.2f informative %s distinct %s nodes %s novel valid %.2f copies %.2f "
+                     "trivial %s repeats %s solve %.2f teacher reward %+.2f signal %.2f tasks %d replaced %d | %s",
+                     step, s["valid_rate"], _fmt(s["informative_valid_rate"]), _fmt(s["distinct_share"]),
+                     _fmt(s["program_nodes"], ".1f"), s["novel_valid_rate"], s["copy_rate"],
+                     _fmt(s["trivial_rate"]), _fmt(s["repeat_rate"]),
                      s["solve_rate"], s["teacher_reward"], s["signal_share"], s["tasks"],
                      s["replaced"],
                      " ".join(f"{k[5:]}={v:.1f}s" for k, v in s.items() if k.startswith("time/")))

@@ -1,14 +1,15 @@
 """Is a teacher's program new work, or a copy of what its prompt showed it?
 
-A proposal's program is a *copy* when its `ast_hash` (bound names and constants abstracted,
-`verifier_sandbox.ast_hash`) equals that of a seed program (`driver.seeds`) or of a reference
-task shown in its own prompt. Self-play rewards whatever is valid and unsolved; a copy of a
+A proposal's program is a *copy* when its structure (what `f` executes: `f` and the
+functions it calls, bound names and constants abstracted, `verifier_sandbox.structure_hash`;
+top-level prints and helpers `f` never calls do not count) equals that of a seed program
+(`driver.seeds`) or of a reference task shown in its own prompt. Self-play rewards whatever is valid and unsolved; a copy of a
 reference is always valid and often unsolved, so without this rule the policy gradient
 teaches teachers to copy (see docs/learning.md, "Copies and novel work").
 
 Two rules are measured:
 
-- `copy_of` (the one `tasks.reject_copies` acts on): equal `ast_hash`. Renaming a variable
+- `copy_of` (the one `tasks.reject_copies` acts on): equal structure. Renaming a variable
   or changing a constant is free for a language model and leaves the task's structure
   (what a student must trace) as it was, so these count as copies.
 - `exact_copy`: equal source after `ast.unparse(ast.parse(...))` (layout and comments
@@ -27,14 +28,15 @@ from functools import lru_cache
 
 from driver.records import Task
 from driver.seeds import SEED_PROGRAMS
-from verifier_sandbox import ast_hash
+from verifier_sandbox import ast_hash, structure_hash
 
 WRITES_PROGRAM = ("code_i", "code_o")
 
 
 @lru_cache(maxsize=4096)
 def _hash(program: str) -> str | None:
-    return ast_hash(program)
+    """The structure of what `f` executes; a program without one `f` by its whole AST."""
+    return structure_hash(program) or ast_hash(program)
 
 
 @lru_cache(maxsize=4096)

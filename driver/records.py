@@ -52,6 +52,9 @@ class Proposal:
     # log pi_behaviour of each completion token under the adapter version that sampled it
     # (the engine's, at the sampling temperature: `Completion.logprobs`; empty when it did not report them)
     logprobs: tuple[float, ...] = ()
+    # why a blind guess answers the task (the verifier's `trivial`, "trivial: ..."), or None;
+    # with tasks.reject_trivial such a proposal is invalid and `reason` says the same
+    trivial: str | None = None
 
 
 @dataclass(frozen=True)

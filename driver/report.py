@@ -184,9 +184,33 @@ def written_tasks(run: RunData) -> list[dict]:
             and (t.get("program_source") or ("seed" if t.get("task_type") == "code_f" else "proposal")) != "seed"]
 
 
+def seed_complexity() -> dict[str, float]:
+    """The seed programs' mean complexity (`verifier_sandbox.complexity`, and `structure_nodes`
+    as "n_nodes"): the reference a curriculum's programs are read against."""
+    from driver.seeds import SEED_PROGRAMS
+    from verifier_sandbox import complexity, structure_nodes
+
+    measures = [complexity(s.program) for s in SEED_PROGRAMS]
+    means = {key: float(np.mean([m[key] for m in measures])) for key in measures[0]}
+    means["n_nodes"] = float(np.mean([structure_nodes(s.program) or 0 for s in SEED_PROGRAMS]))
+    return means
+
+
+def program_size_figure(runs: list[RunData]) -> Figure:
+    """`teacher/program_nodes` per step with the seed programs' mean as a reference line."""
+    fig = metric_figure(runs, "teacher/program_nodes", "Program size",
+                        "AST nodes of what f executes (valid code_i / code_o programs)")
+    ax = fig.axes[0]
+    ax.axhline(seed_complexity()["n_nodes"], color="#555", linestyle=":", linewidth=1.5, label="seed programs' mean")
+    ax.legend(loc="best", framealpha=0.85)
+    return fig
+
+
 def complexity_figure(runs: list[RunData]) -> Figure:
     """Mean complexity of the valid programs per step and task type (band = 1 sd over tasks),
-    seed programs excluded: a code_f task on a seed says nothing about what teachers write."""
+    seed programs excluded: a code_f task on a seed says nothing about what teachers write.
+    A dotted line marks the seed programs' mean."""
+    seeds = seed_complexity()
     fig = Figure(figsize=(13, 8.5))
     axes = fig.subplots(2, 2)
     for ax, (key, title, unit) in zip(axes.flat, COMPLEXITY):
@@ -196,6 +220,8 @@ def complexity_figure(runs: list[RunData]) -> Figure:
                 series = per_step([t for t in rows if t.get("task_type") == task_type], key)
                 if series is not None:
                     _draw(ax, series, TASK_TYPE_COLORS[(i, task_type)], i > 0, f"{run.name}: {task_type}")
+        if ax.has_data():
+            ax.axhline(seeds[key], color="#555", linestyle=":", linewidth=1.5, label="seed programs' mean")
         _finish(ax, title, unit, empty="no valid tasks" if any(run.tasks for run in runs) else "no data")
     fig.suptitle("Complexity of valid proposed programs per step and task type (mean ± 1 sd over tasks; "
                  "seed programs excluded)", fontsize=14)
@@ -421,6 +447,11 @@ def _final_mean(run: RunData, key: str) -> float | None:
     return series.mean[-1] if series else None
 
 
+def _first_mean(run: RunData, key: str) -> float | None:
+    series = per_step(run.metrics, key)
+    return float(series.mean[0]) if series else None
+
+
 def _run_mean(run: RunData, key: str) -> float | None:
     series = per_step(run.metrics, key)
     return float(np.mean(series.mean)) if series else None
@@ -446,6 +477,11 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "mean valid-task rate over the run": _fmt(_run_mean(run, "teacher/valid_rate")),
         "mean novel valid-task rate over the run": _fmt(_run_mean(run, "teacher/novel_valid_rate")),
         "mean copy rate over the run": _fmt(_run_mean(run, "teacher/copy_rate")),
+        "mean informative valid-task rate over the run": _fmt(_run_mean(run, "teacher/informative_valid_rate")),
+        "final distinct share": _fmt(_final_mean(run, "teacher/distinct_share")),
+        "program size (AST nodes of what f executes), first / final step": (
+            f"{_fmt(_first_mean(run, 'teacher/program_nodes'), 1)} / "
+            f"{_fmt(_final_mean(run, 'teacher/program_nodes'), 1)}"),
         "mean signal share over the run": _fmt(_run_mean(run, "learner/signal_share")),
         "final teacher reward": _fmt(_final_mean(run, "teacher/reward")),
         "seconds per step": _fmt(float(np.mean(times["step"])) if times["step"] else None, 1),
@@ -598,6 +634,20 @@ FIGURES = (
      "Fraction of a teacher's proposals that are valid and not a copy: a copy is a code_i / code_o program whose "
      "AST (bound names and constants abstracted) equals a seed program's or a reference's its prompt showed. "
      "A valid rate that rises while this stays flat is teachers learning to copy, not to write tasks."),
+    ("informative_valid_rate.png", "Informative valid-task rate",
+     "Fraction of a teacher's proposals that are valid, not a copy, not trivial (a blind guess answers it) and "
+     "not a repeat (a structure, what f executes, already valid in the last tasks.repeat_window steps or "
+     "proposed more than once in the step). The rate to read as learning: a valid rate that rises while this "
+     "stays flat is the curriculum collapsing onto a few programs."),
+    ("distinct_share.png", "Distinct share",
+     "Distinct structures (what f executes: f and the functions it calls, names and constants abstracted) "
+     "among a teacher's valid code_i / code_o programs. 1: every program new in the step; below 0.3 for two "
+     "steps the run warns."),
+    ("program_size.png", "Program size",
+     "Mean AST nodes of what f executes in a teacher's valid code_i / code_o programs (top-level prints and "
+     "helpers f never calls left out); the dotted line is the seed programs' mean. Programs that shrink while "
+     "the valid rate rises are self-calibration collapse; below half the first step's size for two steps the "
+     "run warns."),
     ("copy_rate.png", "Copy rate",
      "Fraction of a teacher's code_i / code_o proposals that copy a seed program or a shown reference. With "
      "tasks.reject_copies a copy earns the invalid proposal's reward and never becomes a task."),
@@ -608,7 +658,8 @@ FIGURES = (
     ("complexity.png", "Program complexity",
      "AST depth, cyclomatic complexity, lines and variables of the valid proposed programs, mean per step and "
      "task type. Seed programs are left out (a code_f task on a seed program says nothing about what the "
-     "teachers write); code_f lines show the earlier proposals that induction tasks were built on."),
+     "teachers write); code_f lines show the earlier proposals that induction tasks were built on. The dotted "
+     "line is the seed programs' mean."),
     ("coverage.png", "Coverage",
      "population/coverage: the cumulative number of distinct program ASTs (bound names and constants "
      "abstracted, verifier_sandbox.ast_hash) among the novel valid code_i / code_o programs the teachers wrote (copies of a seed or a shown reference "
@@ -660,6 +711,13 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
                                             "valid tasks (fraction of proposals)", bounds=(0.0, 1.0)),
             "novel_valid_rate.png": metric_figure(runs, "teacher/novel_valid_rate", "Novel valid-task rate",
                                                   "valid, not a copy (fraction of proposals)", bounds=(0.0, 1.0)),
+            "informative_valid_rate.png": metric_figure(
+                runs, "teacher/informative_valid_rate", "Informative valid-task rate",
+                "valid, not a copy, not trivial, not a repeat (fraction of proposals)", bounds=(0.0, 1.0)),
+            "distinct_share.png": metric_figure(runs, "teacher/distinct_share", "Distinct share",
+                                                "distinct structures / valid code_i+code_o programs",
+                                                bounds=(0.0, 1.0)),
+            "program_size.png": program_size_figure(runs),
             "copy_rate.png": metric_figure(runs, "teacher/copy_rate", "Copy rate",
                                            "copies (fraction of code_i / code_o proposals)", bounds=(0.0, 1.0)),
             "signal_share.png": metric_figure(runs, "learner/signal_share", "Signal share",
