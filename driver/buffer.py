@@ -6,8 +6,12 @@ apart and never evicted, so every step has references even after a bad stretch.
 References are drawn over distinct structures (what `f` executes,
 `verifier_sandbox.structure_hash`), the newest task of each: drawn over entries, a program
 the teachers repeated would be shown as often as it was repeated, and the prompts would
-advertise the collapse they should escape. Measured on the committed local study's
-buffers (docs/learning.md): ...
+advertise the collapse they should escape. Replayed on the local study's record (its last
+step's code_i / code_o buffers, 21 runs, before this rule): the most repeated structure was
+0.11 of the references drawn over entries in the 4T4S arm (0.05 in 2T2S, 0.03 at learning
+rate 0), 0.01-0.02 drawn over structures. Keeping one entry per structure would show the
+same as drawing over structures but evict the older tasks of each structure on arrival;
+the FIFO keeps them for code_f, which draws its programs the same way.
 """
 
 from __future__ import annotations
