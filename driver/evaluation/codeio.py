@@ -93,7 +93,7 @@ def _convert(rec: dict, seed: int) -> tuple[str, str, str] | None:
     text = ", ".join(repr(args[p]) for p in params)
     if len(text) > MAX_INPUT_CHARS:
         return None
-    verdict = validate("code_o", program, input=text)
+    verdict = validate("code_o", program, input=text, reject_trivial=False, strip_dead=False)  # a fixed benchmark
     if not verdict.valid or len(verdict.output) > MAX_OUTPUT_CHARS:
         return None
     return program, text, verdict.output

@@ -144,6 +144,9 @@ def probe_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -
     fixed, so that is a broken sandbox, not a bad program."""
     from verifier_sandbox import validate
 
+    # the set is a fixed benchmark, asked as it always was: the training rules for proposals
+    # (trivial tasks refused, dead code stripped) would change its problems and its scores
+    rules = {"reject_trivial": False, "strip_dead": False}
     t = cfg.tasks
     tasks: list[tuple[str, Task]] = []
     for task_type in t.types:
@@ -151,7 +154,7 @@ def probe_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -
             pid = f"probe/{index}/{task_type}"
             if task_type == "code_f":
                 shown_inputs = list(inputs[: t.induction_inputs])
-                v = validate("code_f", program, inputs=shown_inputs, timeout_s=timeout_s)
+                v = validate("code_f", program, inputs=shown_inputs, timeout_s=timeout_s, **rules)
                 if not v.valid:
                     raise RuntimeError(f"probe program {index}: the sandbox rejected it ({v.reason})")
                 shown = min(t.induction_shown, len(shown_inputs) - 1)
@@ -159,7 +162,7 @@ def probe_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -
                                         message=message, shown=shown, teacher="probe")))
             else:
                 inp = inputs[0] if task_type == "code_o" else inputs[1]
-                v = validate(task_type, program, input=inp, timeout_s=timeout_s)
+                v = validate(task_type, program, input=inp, timeout_s=timeout_s, **rules)
                 if not v.valid:
                     raise RuntimeError(f"probe program {index}: the sandbox rejected it ({v.reason})")
                 tasks.append((pid, Task(task_type, program, input=inp, output=v.output, teacher="probe")))
