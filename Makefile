@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench bench-learning setup system-deps model clean-venv
+.PHONY: run test test-unit test-slow bench bench-learning setup system-deps model clean-venv
 .PHONY: vllm test-backends
 
 run: setup
@@ -13,6 +13,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the library tier: no Ray, no train() (tests marked integration left out; see tests/conftest.py)
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not slow and not integration"
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -11,6 +11,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Modules whose tests train, resume or study whole runs, start clusters or run the benches
+# and their subprocesses: with every test that uses the Ray session they form the
+# `integration` tier; the rest (libraries, records, reports: no Ray, no train()) is
+# `make test-unit`
+INTEGRATION_MODULES = {
+    "test_allocator", "test_autoscaling", "test_backends", "test_bench_smoke", "test_checkpoint",
+    "test_checkpoint_safety", "test_cluster", "test_deepspeed_strategy", "test_gpu_check", "test_resume",
+    "test_smoke_135m", "test_study", "test_verifier_pool",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in INTEGRATION_MODULES or "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
