@@ -130,7 +130,14 @@ def _main(argv: list[str] | None) -> int:
     from driver.logs import configure
 
     configure(args.log_level)
-    from driver.checkpoint import CheckpointError
+    from driver.checkpoint import CheckpointError, load_latest
+
+    if resume:  # before Ray starts: a run whose checkpoints cannot be loaded (or are refused) stops here
+        try:
+            load_latest(Path(resume), quiet=True)
+        except CheckpointError as e:
+            print(f"populora: checkpoint error: {e}", file=sys.stderr)
+            return 2
     from driver.loop import train
 
     try:

@@ -64,6 +64,21 @@ def test_resume_matches_an_uninterrupted_run(full_run, uninterrupted, tmp_path):
         assert _table(resumed, table) == _table(full_run, table), f"{table}.parquet differs"
 
 
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(full_run, uninterrupted, tmp_path, caplog):
+    """run.keep_checkpoints=2: the 2-step run leaves checkpoints 2 and 0; with 2's learner.pt
+    truncated the resume goes on from 0 and still lands on the uninterrupted run's state."""
+    first = train(_cfg(tmp_path, "corrupt", 2))
+    assert sorted(p.name for p in first.glob("checkpoint*")) == ["checkpoint", "checkpoint.0"]
+    data = (first / "checkpoint" / "learner.pt").read_bytes()
+    (first / "checkpoint" / "learner.pt").write_bytes(data[: len(data) // 2])
+    with caplog.at_level("WARNING", logger="driver.checkpoint"):
+        resumed = train(_cfg(tmp_path, "corrupt", 4), resume=first)
+    assert "checkpoint step 2 is corrupt (learner.pt: checksum mismatch); resuming from step 0" in caplog.text
+    _assert_identical(uninterrupted, _adapters(resumed))
+    for table in ("metrics", "tasks", "ratings", "lineage"):
+        assert _table(resumed, table) == _table(full_run, table), f"{table}.parquet differs"
+
+
 def test_killed_learner_is_restored_and_the_run_goes_on(uninterrupted, tmp_path):
     killed = []
 
