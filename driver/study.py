@@ -346,9 +346,12 @@ def trained(run: Path, steps: int) -> bool:
 
 
 def checkpoint_step(run: Path) -> int | None:
-    """The step of the run's checkpoint (`driver.checkpoint.find`'s choice), None without one."""
-    for d in ("checkpoint", "checkpoint.old"):
-        manifest = _read_json(run / d / "manifest.json")
+    """The step of the run's newest checkpoint with a manifest (`driver.checkpoint.candidates`,
+    the kept ones and a swap cut short included), None without one."""
+    from driver.checkpoint import MANIFEST, candidates
+
+    for d in candidates(run):
+        manifest = _read_json(d / MANIFEST)
         if manifest and isinstance(manifest.get("step"), int):
             return manifest["step"]
     return None
