@@ -141,6 +141,16 @@ def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
     return batches
 
 
+def by_adapter(samples: Sequence[TrainSample], idx: Sequence[int]) -> list[int]:
+    """`idx` with the rows of each adapter side by side (adapters in order of first
+    appearance, each adapter's rows in their order), so every adapter's rows are one run
+    of the batch (`multilora.layer.Routing.runs`)."""
+    first: dict[str, int] = {}
+    for i in idx:
+        first.setdefault(samples[i].adapter, len(first))
+    return sorted(idx, key=lambda i: first[samples[i].adapter])
+
+
 def pack_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int) -> PackedBatch:
     """The rows `idx` of `samples`, packed with their loss masks (supplied tokens left out)."""
     return pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], pad_id,
@@ -225,7 +235,9 @@ class PolicyTrainer:
                    "stepped": float(name in stepping), "clip_frac": 0.0} for name, n in rows_of.items()}
         if not stepping:
             return stats
-        batches = micro_batches(samples, self.settings.micro_batch)
+        # each micro-batch's rows of one adapter side by side: the layers' segmented
+        # kernel then applies each adapter's factors to its own rows in one product
+        batches = [by_adapter(samples, idx) for idx in micro_batches(samples, self.settings.micro_batch)]
         # pi_old: the first pass's own log-probs, detached (ratio exactly 1 in that pass),
         # kept per micro-batch for the later passes (same micro-batches, same rows)
         old: list[torch.Tensor] = []

@@ -22,7 +22,7 @@ KEYS = {
     "verifier": ["isolated_vs_bare_fork", "scaling_2_vs_1", "bare_scaling_2_vs_1"],
     "multilora": ["ours_mixed8_vs_hf_bf16_none", "ours_mixed8_vs_hf_best_none", "ours_mixed8_vs_peft_mixed8", "ours_mixed8_vs_ours_single",
                   "greedy_agreement_with_fp32", "allocator"],
-    "learner": ["step8_vs_step1", "allocator"],
+    "learner": ["step8_vs_step1", "step8_vs_step1_gather", "step1_segmented_vs_gather", "allocator"],
     "sync": ["sync_ms_per_adapter"],
     "memory": ["learner", "inference", "allocator"],
     "selection": ["settings"],
