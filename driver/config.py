@@ -179,6 +179,11 @@ class LearnerConfig:
     # truncated importance sampling (pipeline.max_staleness >= 1): the per-token weight
     # pi_learner / pi_behaviour is capped here (veRL's and slime's TIS use 2)
     is_cap: float = 2.0
+    # KL anchor of the teachers' proposal rows to the base policy (the adapter switched off:
+    # multilora.trainer.kl_to_base), weight per row's mean token KL. 0: none (the paper's
+    # loss). It keeps a teacher's programs near what the base model writes while the
+    # validity reward pulls toward the shortest valid program (docs/learning.md)
+    teacher_kl_coef: float = 0.0
     # learner actors, each owning a fixed share of the members (adapter parallel, no
     # all-reduce; driver/fleet.py). A member's update is the one a single learner makes
     shards: int = 1
@@ -368,7 +373,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"learner.shards: {cfg.learner.shards} shards for {members} members would leave a shard "
                           f"without an adapter (at most {members})")
     for key in ("run.checkpoint_every", "run.max_recoveries", "ray.torch_threads", "population.min_games",
-                "pipeline.max_staleness", "tasks.repeat_penalty"):
+                "pipeline.max_staleness", "tasks.repeat_penalty", "learner.teacher_kl_coef"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")

@@ -304,8 +304,10 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef]
                            solved_rollouts=sum(r.correct for r in rollouts),
                            malformed_rollouts=sum(r.malformed for r in rollouts))
     temperature = ctx.cfg.tasks.temperature  # every training row is sampled at it (`sampling`)
-    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs, temperature)
-               for (adapter, _, _, prompt, completion, _, supplied, logprobs), adv in zip(rows, advantages)]
+    kl = {"teacher": ctx.cfg.learner.teacher_kl_coef, "student": 0.0}
+    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs, temperature,
+                           kl_coef=kl[role])
+               for (adapter, role, _, prompt, completion, _, supplied, logprobs), adv in zip(rows, advantages)]
     dropped = 0
     if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
         members = ray.get(ctx.actors.population.members.remote())
@@ -433,6 +435,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "learner/staleness": stats.get(m, {}).get("staleness"),
             "learner/is_weight_mean": stats.get(m, {}).get("is_weight_mean"),
             "learner/is_truncated_frac": stats.get(m, {}).get("is_truncated_frac"),
+            "learner/kl_to_base": stats.get(m, {}).get("kl_to_base"),
             "pipeline/dropped_samples": dropped,
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
             "population/conservative": rating.get("conservative"), "population/coverage": len(ctx.coverage),

@@ -161,6 +161,7 @@ class MultiLoraModel(nn.Module):
         self.spec = spec
         self.n_slots = n_slots
         self.routing = Routing()
+        self._bare = False  # `bare()`: every row on the base model
         self.layers: dict[str, MultiLoraLinear] = {}  # module name in `base` -> layer
         self.slot_of: dict[str, int] = {}
         targets = set(spec.target_modules)
@@ -331,13 +332,24 @@ class MultiLoraModel(nn.Module):
 
     @contextlib.contextmanager
     def route(self, names: Sequence[str] | None) -> Iterator[None]:
-        """Route row i of the next forwards to adapter names[i] (None: base model only)."""
+        """Route row i of the next forwards to adapter names[i] (None: base model only;
+        inside `bare()` every row runs the base model)."""
         previous = self.routing.slots
-        self.routing.slots = None if names is None else self.slots_for(names)
+        self.routing.slots = None if names is None or self._bare else self.slots_for(names)
         try:
             yield
         finally:
             self.routing.slots = previous
+
+    @contextlib.contextmanager
+    def bare(self) -> Iterator[None]:
+        """Every forward in this block runs the base model alone, whatever its rows' adapters
+        (the reference policy of the learner's KL anchor: no second model)."""
+        previous, self._bare = self._bare, True
+        try:
+            yield
+        finally:
+            self._bare = previous
 
     def forward(self, *args, **kwargs):  # noqa: D401 - plain delegation
         return self.base(*args, **kwargs)

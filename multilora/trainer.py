@@ -18,6 +18,11 @@ signal (a non-zero advantage). Adapters absent from the batch, and adapters whos
 all have advantage 0 (a group that shared one reward), are not stepped at all: their
 weights and AdamW state (step count, moments) stay exactly as they were; AdamW would
 otherwise move them on stale momentum and weight decay with a zero gradient.
+
+A row with `kl_coef > 0` adds its KL anchor to the base policy (`kl_to_base`), the base's
+log-probs taken once an update by the same model with every adapter off (`bare()`). The
+anchor acts on the rows that are computed, those with signal: an adapter whose rows all
+have advantage 0 still takes no step.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class TrainSample:
     # (its weight is 1)
     behaviour_logprobs: tuple[float, ...] = ()
     temperature: float = 1.0  # the temperature the row was sampled at (0, greedy, counts as 1)
+    # weight of the row's KL anchor to the base policy (`kl_to_base`; 0: none): the row's
+    # loss gains kl_coef x the mean over its loss tokens of the k3 estimate of
+    # KL(pi_adapter || pi_base), the base's log-probs from the same model with the adapter off
+    kl_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,16 @@ def sampling_temperatures(samples: Sequence[TrainSample], idx: Sequence[int]) ->
     """The rows' sampling temperatures, as `token_logprobs_tempered` takes them (a greedy
     row's 0 counts as 1, as the engines' log-probs do)."""
     return torch.tensor([samples[i].temperature or 1.0 for i in idx])
+
+
+def kl_to_base(logp: torch.Tensor, base_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean over its loss tokens of the k3 estimate of KL(pi || pi_base) on the
+    row's own tokens (sampled from pi, up to staleness): exp(d) - d - 1 with
+    d = log pi_base - log pi (non-negative, unbiased, low variance; GRPO's KL term). Its
+    gradient pulls the adapter's token probabilities back toward the base model's."""
+    d = (base_logp - logp) * mask
+    per_token = (torch.exp(d) - d - 1.0) * mask
+    return per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
 def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[int]]:
@@ -245,6 +264,8 @@ class PolicyTrainer:
         weighted: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # weight sum, tokens, truncated
         clipped: dict[str, float] = defaultdict(float)  # clip_frac's numerator and denominator
         counted: dict[str, float] = defaultdict(float)
+        base_logp: dict[int, torch.Tensor] = {}  # per micro-batch: the base policy's log-probs
+        kl_sum: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # KL to base over rows, rows
         # each adapter's gradient is one flat tensor laid out like its slot buffer; its
         # factors' `.grad`s are views of it, which backward accumulates into in place
         flats = {name: self.model.slot_buffer(name) for name in stepping}
@@ -280,6 +301,17 @@ class PolicyTrainer:
                             weighted[a] = [x + y for x, y in zip(weighted[a], (total, tokens, cut))]
                     token_adv = adv if is_w[k] is None else adv[:, None] * is_w[k]
                     per_seq, _ = clipped_pg_loss(logp, old[k], token_adv, mask, self.settings.clip_eps)
+                    coef = [samples[i].kl_coef for i in idx]
+                    if any(coef):
+                        if epoch == 0:
+                            with torch.no_grad(), self.model.bare():
+                                base_logp[k] = token_logprobs(self.model, packed, adapters)
+                        kl = kl_to_base(logp, base_logp[k], mask)
+                        per_seq = per_seq + torch.tensor(coef, dtype=kl.dtype, device=kl.device) * kl
+                        for row, a in enumerate(adapters):
+                            if coef[row]:
+                                kl_sum[a][0] += float(kl[row].detach())
+                                kl_sum[a][1] += 1
                     if epoch:
                         self._count_clipped(logp.detach() - old[k], adv, mask, adapters, clipped, counted)
                     # mean over each adapter's rows, summed over adapters: every adapter's
@@ -308,6 +340,8 @@ class PolicyTrainer:
             allocator.release_free_memory(sum(flat.numel() * flat.element_size() for flat in flats.values()))
         for name, n in counted.items():
             stats[name]["clip_frac"] = clipped[name] / n if n else 0.0
+        for name, (total, rows) in kl_sum.items():
+            stats[name]["kl_to_base"] = total / rows
         for name, (total, tokens, cut) in weighted.items():
             if tokens:
                 stats[name]["is_weight_mean"] = total / tokens
