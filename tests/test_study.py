@@ -47,7 +47,7 @@ def test_local_spec_is_the_papers_comparison(tmp_path):
     study = dataclasses.replace(parse_spec(ROOT / "studies" / "local.yaml"), out=tmp_path)
     configs = check_study(study)
     assert [a.name for a in study.arms] == ["1T1S", "2T2S", "4T4S", "baseline", "no-learning", "no-evolution",
-                                            "overlapped"]
+                                            "overlapped", "no-repeat-penalty"]
     assert len(study.seeds) == 3 and (study.baseline, study.control) == ("baseline", "no-learning")
     cfg = configs["2T2S-s0"]
     k = cfg.population.evolve_every
@@ -57,7 +57,8 @@ def test_local_spec_is_the_papers_comparison(tmp_path):
     # the controls differ from 2T2S in one thing each
     assert configs["overlapped-s0"].pipeline.max_staleness == 1 and cfg.pipeline.max_staleness == 0
     # the report also gives the differences each control and the overlap are about
-    assert study.compare == (("2T2S", "no-evolution"), ("overlapped", "2T2S"))
+    assert study.compare == (("2T2S", "no-evolution"), ("overlapped", "2T2S"), ("no-repeat-penalty", "2T2S"))
+    assert configs["no-repeat-penalty-s0"].tasks.repeat_penalty == 0 and cfg.tasks.repeat_penalty > 0
     assert configs["baseline-s1"].population.mode == "single" and configs["baseline-s1"].run.seed == 1
     assert (configs["4T4S-s2"].population.teachers, configs["4T4S-s2"].population.students) == (4, 4)
     # compute-matched per adapter: every arm proposes and solves as much per adapter
@@ -67,7 +68,9 @@ def test_local_spec_is_the_papers_comparison(tmp_path):
 
 def test_cluster_spec_is_valid_where_its_model_exists(tiny_model_path):
     study = parse_spec(ROOT / "studies" / "cluster-7b.yaml")
-    assert [a.name for a in study.arms] == ["1T1S", "4T4S", "8T8S", "baseline"]
+    assert [a.name for a in study.arms] == ["1T1S", "4T4S", "8T8S", "baseline", "no-learning", "no-evolution",
+                                            "lockstep", "no-repeat-penalty"]
+    assert (study.baseline, study.control) == ("baseline", "no-learning")
     # the model directory exists only on the GPU nodes; everything else must validate here
     arms = tuple(dataclasses.replace(a, overrides=(*a.overrides, f"model.path={tiny_model_path}")) for a in study.arms)
     configs = check_study(dataclasses.replace(study, arms=arms))
