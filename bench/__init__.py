@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 from multilora import allocator
+from multilora.machine import machine
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -29,32 +29,9 @@ def results_dir() -> Path:
     return Path(os.environ.get("POPULORA_BENCH_RESULTS") or RESULTS_DIR)
 
 
-def machine() -> dict:
-    """The CPU a figure was measured on: model, cores, and the flags that decide the base's
-    dtype (`avx512_bf16`, `amx_bf16`: bf16 runs natively; without them bf16 is emulated and
-    `model.dtype: auto` runs fp32), and an instruction-set cap set in the environment. The
-    kind is the one `model.dtype: auto` sees (`multilora.model.bf16_is_fast`)."""
-    from multilora.model import bf16_is_fast, isa_cap, proc_cpu_flags  # torch: not before `use_allocator`
-
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                model = value.strip()
-                break
-    except OSError:
-        pass
-    flags = proc_cpu_flags()
-    return {"cpu_model": model, "cpu_count": os.cpu_count(),
-            "cpu_bf16_flags": [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
-            "isa_cap": isa_cap(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
-            "cpu_kind": "bf16" if bf16_is_fast("cpu") else ("avx2" if "avx2" in flags else "other")}
-
-
 def write_result(name: str, result: dict) -> None:
     """<results dir>/<name>.json (indented), and the same JSON as one line on stdout; the
-    machine (`machine()`) is added under "machine" when the bench did not record it."""
+    machine (`multilora.machine.machine()`) is added under "machine" when the bench did not record it."""
     result = {**result, "machine": result.get("machine") or machine()}
     directory = results_dir()
     directory.mkdir(parents=True, exist_ok=True)

@@ -525,7 +525,7 @@ class Scheduler:
             self._line(f"{job.name}: FAILED, {job.failed}")
             return
         if job.stage == "train":  # the machine too: a study resumed elsewhere mixes machines
-            from bench import machine
+            from multilora.machine import machine
 
             (job.path / TRAINED).write_text(json.dumps({"steps": self.study.steps, "seconds": round(seconds, 1),
                                                         "machine": machine()}))

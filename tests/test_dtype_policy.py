@@ -59,8 +59,8 @@ def test_config_default_is_auto(tmp_path):
 
 def test_bench_figures_name_the_cap(monkeypatch):
     """A figure measured under a cap says so and counts as the kind it emulates."""
-    import bench
+    from multilora.machine import machine
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    m = bench.machine()
+    m = machine()
     assert m["isa_cap"] == "AVX2" and m["cpu_kind"] != "bf16"
