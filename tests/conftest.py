@@ -90,10 +90,10 @@ def install_synthetic_signal(monkeypatch) -> None:
 
     real = loop.TrainSample
 
-    def with_signal(adapter, prompt_ids, completion_ids, advantage, *rest):
+    def with_signal(adapter, prompt_ids, completion_ids, advantage, *rest, **named):
         if advantage == 0.0:
             advantage = (sum(completion_ids) % 3 - 1) * 0.5
-        return real(adapter, prompt_ids, completion_ids, advantage, *rest)
+        return real(adapter, prompt_ids, completion_ids, advantage, *rest, **named)
 
     monkeypatch.setattr(loop, "TrainSample", with_signal)
 
