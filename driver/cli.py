@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write the plots and HTML report of a run into runs/<name>/report/")
     report.add_argument("run", help="run directory, e.g. runs/local")
     report.add_argument("--compare", default=None, help="a second run directory to overlay (e.g. the baseline)")
-    from driver.evaluation.command import add_arguments as add_eval_arguments
+    from evaluation.command import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser("eval", help="score every member, the base and a baseline run on benchmarks"))
     from driver.study import add_arguments as add_study_arguments
@@ -103,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "report":
         return _report(args)
     if args.command == "eval":
-        from driver.evaluation.command import main as evaluate
+        from evaluation.command import main as evaluate
 
         return evaluate(args)
     if args.command == "study":

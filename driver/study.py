@@ -3,9 +3,9 @@
 A study spec names arms (a config plus `--set` overrides each), seeds and steps. Every
 (arm, seed) is one ordinary training run, `studies/<name>/runs/<arm>-s<seed>/`, trained by
 `python -m driver train` in its own process (its own embedded Ray, its own memory), then
-evaluated by `python -m driver.evaluation.held_out` in another process: the held-out
+evaluated by `python -m evaluation.held_out` in another process: the held-out
 benchmarks of `populora eval` (CodeI/O, HumanEval) and the in-distribution probe
-(`driver.evaluation.probe`), greedy, the same problems for every run; the base model once,
+(`evaluation.probe`), greedy, the same problems for every run; the base model once,
 under `studies/<name>/base/`. Finally `driver.study_report` writes `report/index.html` and
 `report/summary.json` from every run's tables.
 
@@ -75,8 +75,8 @@ from typing import Any
 import yaml
 
 from driver.config import Config, ConfigError, load_config, read_yaml_mapping
-from driver.evaluation.held_out import DONE as EVAL_DONE
-from driver.evaluation.held_out import EVAL_DIR
+from evaluation.held_out import DONE as EVAL_DONE
+from evaluation.held_out import EVAL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_SPEC = ROOT / "studies" / "smoke.yaml"
@@ -109,7 +109,7 @@ class Arm:
 class EvalSpec:
     benchmarks: tuple[str, ...] = ("codeio", "humaneval")
     limit: int | None = 20  # at most this many problems per benchmark
-    probe: bool = True  # the in-distribution probe (driver.evaluation.probe)
+    probe: bool = True  # the in-distribution probe (evaluation.probe)
     probe_limit: int | None = None  # at most this many probe programs (each one task per type)
     roles: tuple[str, ...] = ("student", "agent")  # members evaluated (teachers are not asked to solve)
     max_new_tokens: int | None = None  # None: each benchmark's own budget
@@ -187,7 +187,7 @@ def _eval_spec(data: Any) -> EvalSpec:
     if not isinstance(benchmarks, list) or not all(isinstance(b, str) for b in benchmarks):
         raise StudyError(f"eval.benchmarks: expected a list of benchmark names, got {benchmarks!r}")
     if benchmarks:
-        from driver.evaluation.runner import resolve_benchmarks
+        from evaluation.runner import resolve_benchmarks
 
         try:
             benchmarks = list(resolve_benchmarks(",".join(benchmarks)))
@@ -405,7 +405,7 @@ def _sets(overrides: list[str]) -> list[str]:
 
 def eval_command(path: Path, study: Study, cfg: Config, parallel: int, base_only: bool = False) -> list[str]:
     e = study.eval
-    cmd = [sys.executable, "-m", "driver.evaluation.held_out", str(path), "--benchmarks", ",".join(e.benchmarks),
+    cmd = [sys.executable, "-m", "evaluation.held_out", str(path), "--benchmarks", ",".join(e.benchmarks),
            "--roles", ",".join(e.roles), "--settings", json.dumps(e.fingerprint())]
     if not e.probe:
         cmd.append("--no-probe")

@@ -12,7 +12,7 @@ What each arm's number is, per seed (then averaged over seeds):
   TrueSkill spread (the standard deviation of mu over the live members) at the last step;
   program complexity (AST depth, cyclomatic complexity) of the valid proposals of each task
   type over the last third, from `tasks.parquet` (code_f tasks on seed programs left out);
-- evaluation scores from `study_eval/` (`driver.evaluation.held_out`): greedy accuracy of each
+- evaluation scores from `study_eval/` (`evaluation.held_out`): greedy accuracy of each
   evaluated member on every held-out benchmark group and on the probe, then the population
   mean, the weakest and the best member. The base model is evaluated once.
 
@@ -41,7 +41,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from driver import intervals
-from driver.evaluation.held_out import DONE, EVAL_DIR
+from evaluation.held_out import DONE, EVAL_DIR
 from driver.study import TRAINED, Study, runs_of, trained
 
 TASK_TYPES = ("code_i", "code_o", "code_f")

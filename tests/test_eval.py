@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from driver.evaluation import codegen, codeio, mathbench
-from driver.evaluation.metrics import pass_at_k
-from driver.evaluation.problems import DataMissing
-from driver.evaluation.runner import zero_adapter
+from evaluation import codegen, codeio, mathbench
+from evaluation.metrics import pass_at_k
+from evaluation.problems import DataMissing
+from evaluation.runner import zero_adapter
 
 OPTIONS = {"timeout_s": 10.0}
 

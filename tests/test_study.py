@@ -177,7 +177,7 @@ def test_evaluation_scores_are_paired_over_problems():
 
 # ---- the probe ---------------------------------------------------------------------------
 def test_probe_programs_are_held_out_and_valid():
-    from driver.evaluation.probe import HOLDOUT_PROGRAMS, probe_tasks
+    from evaluation.probe import HOLDOUT_PROGRAMS, probe_tasks
     from driver.seeds import SEED_PROGRAMS
     from verifier_sandbox import ast_hash
 

@@ -35,8 +35,8 @@ import pickle
 import zlib
 from pathlib import Path
 
-from driver.evaluation import data_paths
-from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
+from evaluation import data_paths
+from evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 from verifier_sandbox import run_program
 from verifier_sandbox.screening import parse
 

@@ -1,13 +1,13 @@
 """One run's evaluation for a study: held-out benchmarks and the in-distribution probe.
 
-    python -m driver.evaluation.held_out RUN_DIR [--benchmarks codeio,humaneval] [--limit N]
+    python -m evaluation.held_out RUN_DIR [--benchmarks codeio,humaneval] [--limit N]
         [--probe-limit N] [--no-probe] [--roles student,agent] [--max-new-tokens N]
         [--threads N] [--ray ADDRESS] [--base-only] [--settings JSON]
 
 Writes `RUN_DIR/study_eval/`: `config.yaml` and `adapters/` (links to the run's members of
 the chosen roles: teachers are not asked to solve), the tables of `populora eval`
 (`eval.parquet`, `eval_samples.parquet`, `eval.md`; the benchmarks run by
-`driver.evaluation.runner.evaluate` on that directory), `probe.parquet` (one row per member
+`evaluation.runner.evaluate` on that directory), `probe.parquet` (one row per member
 and probe task) and, last, `done.json` holding `--settings` (what `populora study` compares
 to decide whether the evaluation is current). `--base-only`: the base model (an all-zero
 adapter) instead of the members, for a run directory without adapters.
@@ -53,7 +53,7 @@ def _engine(cfg, model_path: str, spec, n_slots: int, threads: int, ray_address:
 
         return create_engine(cfg.inference.backend, model_path, spec, n_slots, cfg.model.dtype,
                              cfg.inference.max_batch, 0)
-    from driver.evaluation.server import ServerEngine
+    from evaluation.server import ServerEngine
 
     return ServerEngine(cfg, ray_address, cfg.inference.backend, model_path, spec, n_slots, cfg.inference.max_batch,
                         0, threads if not ray_address else 0)
@@ -62,8 +62,8 @@ def _engine(cfg, model_path: str, spec, n_slots: int, threads: int, ray_address:
 def probe(view: Path, members: list[str], limit: int | None, threads: int, ray_address: str | None) -> int:
     """Writes view/probe.parquet; returns the number of rows."""
     from driver.config import load_config
-    from driver.evaluation.probe import probe_tasks, run_probe
-    from driver.evaluation.runner import zero_adapter
+    from evaluation.probe import probe_tasks, run_probe
+    from evaluation.runner import zero_adapter
     from multilora.embedded import resolve_model_path
     from multilora.model import LoraSpec
     from multilora.peft_io import load_adapter
@@ -89,7 +89,7 @@ def probe(view: Path, members: list[str], limit: int | None, threads: int, ray_a
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m driver.evaluation.held_out", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m evaluation.held_out", description=__doc__.split("\n\n")[0])
     parser.add_argument("run")
     parser.add_argument("--benchmarks", default="codeio,humaneval", help="comma-separated; empty: none")
     parser.add_argument("--limit", type=int, default=None)
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from driver.evaluation.problems import DataMissing
-    from driver.evaluation.runner import Settings, evaluate, resolve_benchmarks
+    from evaluation.problems import DataMissing
+    from evaluation.runner import Settings, evaluate, resolve_benchmarks
 
     run = Path(args.run)
     if not (run / "config.yaml").is_file():

@@ -30,7 +30,7 @@ import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
+from evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 from driver.extraction import extract_answer
 from driver.prompts import answer_prefix, student_prompt
 from driver.records import Task

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from driver.evaluation.problems import DataMissing
+from evaluation.problems import DataMissing
 
 DATA_DIR_ENV = "POPULORA_EVAL_DATA"  # a directory holding <benchmark>.jsonl files
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from driver.evaluation import data_paths
-from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
+from evaluation import data_paths
+from evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_PROBLEMS = 200

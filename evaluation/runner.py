@@ -35,9 +35,9 @@ import torch
 from tqdm import tqdm
 
 from driver.config import Config, load_config
-from driver.evaluation import codegen, codeio, mathbench
-from driver.evaluation.metrics import markdown, summarize
-from driver.evaluation.problems import Benchmark, DataMissing, Problem, Verdict
+from evaluation import codegen, codeio, mathbench
+from evaluation.metrics import markdown, summarize
+from evaluation.problems import Benchmark, DataMissing, Problem, Verdict
 from multilora.generation import Completion, SamplingParams
 from multilora.model import LoraSpec
 from multilora.peft_io import WEIGHTS_FILE, load_adapter
@@ -208,7 +208,7 @@ def _engine(cfg: Config, settings: Settings, backend: str, model_path: str, spec
         from actors.inference import create_engine
 
         return create_engine(backend, model_path, spec, n_slots, cfg.model.dtype, max_batch, settings.seed)
-    from driver.evaluation.server import ServerEngine
+    from evaluation.server import ServerEngine
 
     address = settings.ray or cfg.ray.address
     # a cluster node keeps its own thread count; an embedded Ray's actor gets this process's

@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from driver.evaluation.problems import DataMissing
-    from driver.evaluation.runner import Settings, evaluate, resolve_benchmarks
+    from evaluation.problems import DataMissing
+    from evaluation.runner import Settings, evaluate, resolve_benchmarks
 
     try:
         benchmarks = resolve_benchmarks(args.benchmarks)
