@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 NAME = "checkpoint"  # runs/<name>/checkpoint/: the newest; checkpoint.<step>/: the ones kept before it
-FORMAT = 2  # 1: pickled records, loaded with weights_only=False (refused)
+FORMAT = 3  # 1: pickled records, loaded with weights_only=False; 2: the table rows too (both refused)
 TAG = "__checkpoint__"
 
 # The record types a checkpoint may hold, by module and qualified name (resolved on use:
@@ -331,7 +331,8 @@ def load(directory: Path) -> tuple[int, dict[str, Any]]:
     if version != FORMAT:
         raise _error(RefusedCheckpoint, manifest_path,
                      f"checkpoint format {version!r}, this version reads format {FORMAT} only (format 1 held "
-                     "pickled objects, which are not loaded)")
+                     "pickled objects, which are not loaded; format 2 held the run's table rows, which now "
+                     "live in the run directory only)")
     parts = {}
     for filename, meta in files.items():
         path = directory / filename

@@ -61,7 +61,7 @@ def _report(args: argparse.Namespace) -> int:
         if not Path(path).is_dir():
             print(f"populora: report: no run directory at {path}", file=sys.stderr)
             return 2
-        if not (Path(path) / "metrics.parquet").is_file():
+        if not (Path(path) / "metrics.parquet").exists():  # a directory of parts, or one file (older runs)
             print(f"populora: report: {Path(path) / 'metrics.parquet'} not found (not a run directory?)",
                   file=sys.stderr)
             return 2

@@ -461,7 +461,8 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "structure": w.structure, "structure_nodes": w.nodes, "trivial": w.trivial, "repeat_of": w.repeat_of,
         })
     ctx.run.append("tasks", task_rows)
-    recovery.track(ctx.run.rows["lineage"], metrics, ctx.cfg.population.recovery_updates)  # earlier children
+    updates = ctx.cfg.population.recovery_updates
+    recovery.track(ctx.run.open_lineage(), metrics, updates)  # earlier children
     ctx.run.append("lineage", [{
         "step": e.step, "role": e.role, "child": e.child, "replaced": e.dead, "parents": list(e.parents),
         "operator": e.operator, "params": json.dumps(e.params), "parent_scores": list(e.parent_scores),
@@ -471,7 +472,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
         "child_probe_reward": probe.get("child_probe_reward"),
         **recovery.birth_fields(e.role, e.parents[0], metrics),
     } for e, probe in events])
-    ctx.run.flush()
+    ctx.run.flush(step, keep_open=recovery.still_open(updates, set(teachers) | set(students)))
     work = collapse.figures(proposals, gen.work)
     summary = {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
@@ -538,7 +539,7 @@ def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = Non
     population = ray.get(a.population.state_dict.remote())
     driver = {
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
-        "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(), "tables": ctx.run.state_dict(),
+        "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(),
         "coverage": sorted(ctx.coverage), "version": ctx.version, "pending": pending,
         "repeats": ctx.repeats.state_dict(), "collapse_watch": ctx.collapse_watch.state_dict(),
     }
@@ -563,7 +564,11 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     random.setstate(d["python_random"])
     np.random.set_state(d["numpy_random"])
     torch.set_rng_state(d["torch_random"])
-    ctx.run.load_state_dict(d["tables"])
+    # the tables as they were after `step`: the run directory holds them, the checkpoint does not
+    living = set(member_names(ray.get(a.population.members.remote())))
+    updates = ctx.cfg.population.recovery_updates
+    ctx.run.rollback(step, lambda lineage: recovery.replay(lineage, ctx.run.path, step, updates, living),
+                     keep_open=recovery.still_open(updates, living))
     ctx.coverage = set(d.get("coverage", []))  # checkpoints from before coverage: counted from here on
     ctx.version = d.get("version", 0)
     if "repeats" in d:  # checkpoints from before the repeat rule: repeats counted from here on

@@ -62,7 +62,7 @@ def _clean(value):
 
 
 def _read_table(path: Path) -> list[dict]:
-    if not path.is_file():
+    if not path.exists():  # a table: a directory of parts, or one file (older runs)
         return []
     return [{k: _clean(v) for k, v in row.items()} for row in pq.read_table(path).to_pylist()]
 

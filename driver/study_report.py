@@ -73,7 +73,7 @@ figure { margin: 1.5em 0; } figcaption { color: #555; max-width: 60em; } img { m
 
 # ---- reading the runs ------------------------------------------------------------------
 def _rows(path: Path) -> list[dict]:
-    if not path.is_file():
+    if not path.exists():  # a table: a directory of parts, or one file (older runs)
         return []
     table = pq.read_table(path)
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

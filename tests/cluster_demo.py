@@ -91,7 +91,7 @@ def main() -> None:
         cfg = load_config(ROOT / "configs/test.yaml", [*common, "run.name=placed", "model.path=~/models/tiny-llama"])
         try:
             run = train(cfg, on_step=look)
-            summary["run_dir_has_metrics"] = (run / "metrics.parquet").is_file()
+            summary["run_dir_has_metrics"] = (run / "metrics.parquet").exists()
         except Exception:  # noqa: BLE001 - reported in the summary
             summary["error"] = traceback.format_exc()[-3000:]
         summary["placed"] = placed

@@ -9,6 +9,7 @@ import torch
 
 from driver.config import load_config
 from driver.loop import train
+from driver.run_dir import read_table
 from multilora.peft_io import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,9 @@ def test_two_steps_write_the_run_directory(ray_session, tiny_model_path, tmp_pat
                                                          "learner.weight_decay=0.1", "logging.tensorboard=true"])
     run = train(cfg)
 
-    for name in ("config.yaml", "metrics.parquet", "tasks.parquet", "ratings.parquet", "lineage.parquet"):
-        assert (run / name).is_file(), f"{name} missing from {run}"
+    assert (run / "config.yaml").is_file(), f"config.yaml missing from {run}"
+    for name in ("metrics.parquet", "tasks.parquet", "ratings.parquet", "lineage.parquet"):  # a part per step
+        assert (run / name / "schema.parquet").is_file(), f"{name} missing from {run}"
     metrics = pq.read_table(run / "metrics.parquet").to_pylist()
     assert {m["step"] for m in metrics} == {1, 2}
     assert {"teacher/reward", "student/solve_rate", "population/trueskill_mu", "time/propose"} <= set(metrics[0])
@@ -120,7 +122,7 @@ def test_training_metrics_reach_the_prometheus_endpoint(ray_session, tiny_model_
         return names
 
     def scrape_while_running(step, ctx) -> None:  # the run is live: its gauges are held
-        rows = seen["rows"] = ctx.run.rows["metrics"]
+        rows = seen["rows"] = read_table(ctx.run.path, "metrics").to_pylist()
         names = expected_names(rows)
         seen["samples"] = _scrape(port, lambda samples: this_run(samples, rows) and all(samples.get(n) for n in names))
 

@@ -198,3 +198,28 @@ def test_cli_report_bad_path(tmp_path, capsys, make):
     assert cli_main(["report", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert str(bad) in err and len(err.splitlines()) == 1, err
+
+
+def test_the_report_reads_tables_stored_as_parts(tmp_path):
+    """A run directory as training writes it (a part per step) gives the report the rows of
+    one written with single files (older runs)."""
+    import shutil
+
+    from driver.run_dir import TABLES, RunDir
+
+    files = population_run(tmp_path / "files")
+    parts = tmp_path / "parts"
+    shutil.copytree(files, parts)
+    run = RunDir(parts)
+    rows = {t: pq.read_table(files / f"{t}.parquet").to_pylist() for t in TABLES}
+    for table in TABLES:
+        (parts / f"{table}.parquet").unlink()
+        (parts / f"{table}.parquet").mkdir()
+    for step in range(1, 5):
+        for table in TABLES:
+            run.append(table, [r for r in rows[table] if r["step"] == step])
+        run.flush(step)
+    assert (parts / "tasks.parquet").is_dir()
+    single, parted = load_run(files), load_run(parts)
+    assert (parted.metrics, parted.tasks, parted.lineage) == (single.metrics, single.tasks, single.lineage)
+    assert "teacher-2" in check_report(write_report(parts))
