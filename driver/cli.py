@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     from evaluation.command import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser("eval", help="score every member, the base and a baseline run on benchmarks"))
-    from driver.study import add_arguments as add_study_arguments
+    from reports.study import add_arguments as add_study_arguments
 
     add_study_arguments(sub.add_parser("study", help="train, evaluate and compare the arms of a study spec "
                                                      "(several seeds each) and write one report"))
@@ -65,7 +65,7 @@ def _report(args: argparse.Namespace) -> int:
             print(f"populora: report: {Path(path) / 'metrics.parquet'} not found (not a run directory?)",
                   file=sys.stderr)
             return 2
-    from driver.report import write_report
+    from reports.run_report import write_report
 
     print(write_report(Path(args.run), Path(args.compare) if args.compare else None))
     return 0
@@ -107,7 +107,7 @@ def _main(argv: list[str] | None) -> int:
 
         return evaluate(args)
     if args.command == "study":
-        from driver.study import main as study
+        from reports.study import main as study
 
         return study(args)
     resume = getattr(args, "resume", None)

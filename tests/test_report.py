@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from driver.cli import main as cli_main
-from driver.report import FIGURES, lineage_lanes, load_run, markdown_to_html, write_report
+from reports.run_report import FIGURES, lineage_lanes, load_run, markdown_to_html, write_report
 
 PHASES = ("match", "propose", "solve", "update", "evolve")
 
@@ -126,7 +126,7 @@ def test_report_compares_with_the_baseline(tmp_path):
 
 
 def test_complexity_leaves_seed_programs_out_and_old_runs_still_load(tmp_path):
-    from driver.report import written_tasks
+    from reports.run_report import written_tasks
 
     run = load_run(population_run(tmp_path / "pop"))
     kept = written_tasks(run)
@@ -139,7 +139,7 @@ def test_complexity_leaves_seed_programs_out_and_old_runs_still_load(tmp_path):
 
 
 def test_recovery_is_shown_in_the_lineage_table(tmp_path):
-    from driver.report import recovery_rows
+    from reports.run_report import recovery_rows
 
     run = population_run(tmp_path / "pop")
     text = write_report(run).read_text()

@@ -17,10 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from driver import intervals
+from reports import intervals
 from driver.cli import main as cli
 from driver.config import load_config
-from driver.study import StudyError, check_study, parse_spec, runs_of, train_command
+from reports.study import train_command
+from reports.study_spec import StudyError, check_study, parse_spec, runs_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "studies" / "smoke.yaml"
@@ -151,7 +152,7 @@ def test_difference_and_its_interval_by_hand():
 def test_a_compared_pair_gets_its_difference_by_hand(tmp_path):
     """`compare: [[a, b]]`: each training table gives a − b with its interval (the case of
     `test_difference_and_its_interval_by_hand`), and the findings name it."""
-    from driver.study_report import RunTables, findings, train_table
+    from reports.study_report import RunTables, findings, train_table
 
     study = parse_spec(_spec(tmp_path, arms={"a": {}, "b": {}}, compare=[["a", "b"]]), tmp_path / "out")
     runs = [RunTables(arm, seed, f"{arm}-s{seed}", 2, scalars={"valid_rate": v})

@@ -1,7 +1,7 @@
 """The study report: every arm's mean over seeds with its 95% interval, its difference to the
 baseline and to the no-learning control, and the training curves, one line per arm.
 
-`write_study_report(study)` reads each finished run of a study (`driver.study`) and writes
+`write_study_report(study)` reads each finished run of a study (`reports.study_spec`) and writes
 `studies/<name>/report/`: `index.html` (self-contained, figures embedded), `summary.json`
 (every number on the page) and one PNG per figure.
 
@@ -16,7 +16,7 @@ What each arm's number is, per seed (then averaged over seeds):
   evaluated member on every held-out benchmark group and on the probe, then the population
   mean, the weakest and the best member. The base model is evaluated once.
 
-Intervals and differences: `driver.intervals` (seeds resampled; for evaluation scores also
+Intervals and differences: `reports.intervals` (seeds resampled; for evaluation scores also
 the problems, one draw shared by every arm). A difference is called larger than its interval
 only when both arms have at least two seeds and its 95% interval excludes zero; otherwise the
 page says "no detectable difference" (or "not judged" with a single seed).
@@ -40,9 +40,9 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from driver import intervals
+from reports import intervals
 from evaluation.held_out import DONE, EVAL_DIR
-from driver.study import TRAINED, Study, runs_of, trained
+from reports.study_spec import TRAINED, Study, runs_of, trained
 
 TASK_TYPES = ("code_i", "code_o", "code_f")
 # (key, title, metrics.parquet column, y-axis label, bounds): last-third means and curves
