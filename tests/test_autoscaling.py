@@ -1,6 +1,6 @@
 """Ray's autoscaler adds `verifier` nodes for a VerifierPool burst and removes them once idle.
 
-The cluster, the burst and the cleanup live in tests/autoscaling_demo.py, run here as its
+The cluster, the burst and the cleanup live in examples/autoscaling_demo.py, run here as its
 own process: it owns a Ray head of its own (temp dir, ports) and ends every process it
 started, so the embedded Ray session of the other tests is untouched.
 """
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_autoscaler_starts_verifier_nodes_for_a_burst_and_removes_them_when_idle(tmp_path):
     out = tmp_path / "autoscaling.json"
     deadline_s = 300
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/autoscaling_demo.py"), "--out", str(out),
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/autoscaling_demo.py"), "--out", str(out),
                            "--deadline-s", str(deadline_s)],
                           capture_output=True, text=True, timeout=deadline_s + 120, cwd=ROOT)
     assert out.is_file(), f"no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -110,10 +110,10 @@ def test_ray_job_submit_trains_on_a_separate_head(tiny_model_path, tmp_path):
 
 
 def test_actors_land_on_their_node_types_and_a_driver_without_the_model_starts(tmp_path):
-    """tests/cluster_demo.py in its own process: raylets with cluster.yaml's node types on
+    """examples/cluster_demo.py in its own process: raylets with cluster.yaml's node types on
     this machine, the model only on the GPU nodes; see its docstring."""
     out = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/cluster_demo.py"), "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/cluster_demo.py"), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
     assert out.is_file(), f"no summary (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

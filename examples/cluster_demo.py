@@ -14,7 +14,7 @@ driver's node lacks it, as a `ray job submit` head lacks a 7B model. Two runs:
 2. the same with a model path that no node holds: it must stop with the config error
    naming the node and the path.
 
-    python tests/cluster_demo.py --out summary.json   (tests/test_cluster.py runs it)
+    python examples/cluster_demo.py --out summary.json   (tests/test_cluster.py runs it)
 
 The cluster is this process's own (its own temp dir and ports) and is shut down at the end.
 """

@@ -7,7 +7,7 @@ resource, so every VerifierWorker the pool asks for is a pending demand that onl
 `verifier` node can meet. The node type is the `verifier` type of cluster.yaml (its
 resources, plus the 16 CPUs of its c6i.4xlarge), with min 0 and max 2 workers here.
 
-    python tests/autoscaling_demo.py            # prints the JSON summary
+    python examples/autoscaling_demo.py            # prints the JSON summary
     (tests/test_autoscaling.py runs it and checks the summary)
 
 This process owns everything it starts: it is a child subreaper (prctl
