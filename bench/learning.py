@@ -68,9 +68,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from bench import write_result
+from driver.run_dir import read_table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -99,7 +99,7 @@ def run_seed(config: Path, seed: int, steps: int, overrides: list[str], out: Pat
     run = train(cfg, on_step=lambda step, ctx: summaries.__setitem__(step, {"step": step, **ctx.summaries[-1]}))
     if ray.is_initialized():
         ray.shutdown()
-    return [summaries[k] for k in sorted(summaries)], pq.read_table(run / "tasks.parquet").to_pylist()
+    return [summaries[k] for k in sorted(summaries)], read_table(run, "tasks").to_pylist()
 
 
 def run_seed_to_file(config: Path, seed: int, steps: int, overrides: list[str], out: Path, dump: Path) -> None:

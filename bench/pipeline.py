@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from bench import write_result
+from driver.run_dir import read_table
 from bench.learning import ROOT, run_seed, summarise
 
 LEARNING_KEYS = ("valid_rate_by_type", "valid_rate_last_third_vs_first_third", "novel_valid_rate_by_type",
@@ -50,7 +50,7 @@ def _mean(values) -> float | None:
 
 
 def run_metrics(out: Path, seed: int) -> list[dict]:
-    return pq.read_table(out / f"learning-seed{seed}" / "metrics.parquet").to_pylist()
+    return read_table(out / f"learning-seed{seed}", "metrics").to_pylist()
 
 
 def per_seed_rates(tasks: list[dict]) -> dict:

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from bench import write_result
+from driver.run_dir import read_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"replicas_2_vs_1": 1.7, "shards_2_vs_1": 1.7, "step_2x2_vs_1x1": 1.5}
@@ -166,7 +166,7 @@ def step_measure(config: Path, steps: int, base: list[str], root: Path) -> dict:
         where = root / label
         where.mkdir(parents=True, exist_ok=True)
         run_seed(config, 0, steps, [*base, *scale], where)
-        by_step = {r["step"]: r for r in pq.read_table(where / "learning-seed0" / "metrics.parquet").to_pylist()}
+        by_step = {r["step"]: r for r in read_table(where / "learning-seed0", "metrics").to_pylist()}
         counted = [r for s, r in sorted(by_step.items()) if s > 1] or list(by_step.values())
         out["seconds_per_step"][label] = statistics.mean(r["time/step"] for r in counted)
         out["phase_seconds"][label] = {k[5:]: statistics.mean(r.get(k) or 0.0 for r in counted)

@@ -61,8 +61,10 @@ def _report(args: argparse.Namespace) -> int:
         if not Path(path).is_dir():
             print(f"populora: report: no run directory at {path}", file=sys.stderr)
             return 2
-        if not (Path(path) / "metrics.parquet").exists():  # a directory of parts, or one file (older runs)
-            print(f"populora: report: {Path(path) / 'metrics.parquet'} not found (not a run directory?)",
+        from driver.run_dir import table_path
+
+        if not table_path(Path(path), "metrics").exists():
+            print(f"populora: report: {table_path(Path(path), 'metrics')} not found (not a run directory?)",
                   file=sys.stderr)
             return 2
     from reports.run_report import write_report

@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 
 from multilora import allocator
+from multilora.settings import DEFAULTS as TRAINER
+from verifier_sandbox.tasks import TASK_TYPES
 
 
 class ConfigError(ValueError):
@@ -93,7 +95,7 @@ class PopulationConfig:
 
 @dataclass
 class TasksConfig:
-    types: list[str] = field(default_factory=lambda: ["code_i", "code_o", "code_f"])
+    types: list[str] = field(default_factory=lambda: list(TASK_TYPES))
     # per teacher per step; also the rows of each (teacher, task type) group the advantages
     # are normalised over. 8: configs/cluster-7b.yaml, the paper's 7B setting (AZR proposes
     # 64 per type per step for its one model); groups of 2 give every row +-1 or 0
@@ -164,21 +166,21 @@ class LearnerConfig:
     # best rate is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret",
     # policy-gradient RL included; PEFT/TRL LoRA practice runs 1e-5..1e-4), as in
     # configs/cluster-7b.yaml. 0: the no-learning control (no adapter moves)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float = TRAINER.lr
+    weight_decay: float = TRAINER.weight_decay
     # the ratio to pi_old is clipped to [1 - clip_eps, 1 + clip_eps] (PPO) only from an
     # update's second pass (`epochs`): with one epoch the ratio is exactly 1 and the update
     # is REINFORCE with group-normalised advantages (multilora.trainer; stat clip_frac)
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
-    micro_batch: int = 8
-    epochs: int = 1  # passes over one update's samples, one optimizer step per adapter each
+    clip_eps: float = TRAINER.clip_eps
+    max_grad_norm: float = TRAINER.max_grad_norm
+    micro_batch: int = TRAINER.micro_batch
+    epochs: int = TRAINER.epochs  # passes over one update's samples, one optimizer step per adapter each
     strategy: str = "torch"  # "deepspeed": ZeRO over the adapter parameters (GPU, optional extra)
     zero_stage: int = 2
     offload_optimizer: bool = False  # deepspeed only: fp32 master weights and moments on the CPU
     # truncated importance sampling (pipeline.max_staleness >= 1): the per-token weight
     # pi_learner / pi_behaviour is capped here (veRL's and slime's TIS use 2)
-    is_cap: float = 2.0
+    is_cap: float = TRAINER.is_cap
     # KL anchor of the teachers' proposal rows to the base policy (the adapter switched off:
     # multilora.trainer.kl_to_base), weight per row's mean token KL. 0: none (the paper's
     # loss). It keeps a teacher's programs near what the base model writes while the
@@ -261,8 +263,6 @@ _CHOICES = {
     "learner.strategy": ("torch", "deepspeed"),
     "logging.wandb_mode": ("offline", "online"),
 }
-_TASK_TYPES = ("code_i", "code_o", "code_f")
-_EVOLUTION_OPERATORS = ("gaussian", "singular_value", "subspace_rotation", "layer_swap", "module_swap", "svd_merge")
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -353,8 +353,8 @@ def _validate(cfg: Config) -> None:
     if not cfg.tasks.types:
         raise ConfigError("tasks.types: at least one task type is needed")
     for t in cfg.tasks.types:
-        if t not in _TASK_TYPES:
-            raise ConfigError(f"tasks.types: unknown task type {t!r} (known: {', '.join(_TASK_TYPES)})")
+        if t not in TASK_TYPES:
+            raise ConfigError(f"tasks.types: unknown task type {t!r} (known: {', '.join(TASK_TYPES)})")
     if not 1 <= cfg.tasks.induction_shown < cfg.tasks.induction_inputs:
         raise ConfigError("tasks.induction_shown: must be >= 1 and < tasks.induction_inputs")
     if not 0 < cfg.tasks.top_p <= 1:
@@ -384,11 +384,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"population.evolve_every: must be >= 0, got {cfg.population.evolve_every!r}")
     if not cfg.population.operators:
         raise ConfigError("population.operators: at least one operator is needed")
+    from evolution.operators import OPERATORS  # torch: only once a config is checked
+
     for name, weight in cfg.population.operators.items():
-        if name not in _EVOLUTION_OPERATORS:
-            raise ConfigError(
-                f"population.operators.{name}: unknown operator (known: {', '.join(_EVOLUTION_OPERATORS)})"
-            )
+        if name not in OPERATORS:
+            raise ConfigError(f"population.operators.{name}: unknown operator (known: {', '.join(OPERATORS)})")
         if weight < 0:
             raise ConfigError(f"population.operators.{name}: weight must be >= 0, got {weight!r}")
     if not cfg.run.name or "/" in cfg.run.name:

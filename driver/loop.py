@@ -35,7 +35,7 @@ from driver.extraction import extract_answer, parse_proposal
 from driver.learning_signal import LowSignalWatch, SignalReport, signal_report
 from driver.logs import set_position
 from driver.prompts import answer_prefix, reply_format, student_prompt, teacher_prompt
-from driver.records import Proposal, Rollout, Task
+from driver.records import PHASES, Proposal, Rollout, Task
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
@@ -51,7 +51,6 @@ from verifier_sandbox import ast_hash, complexity
 
 log = logging.getLogger(__name__)
 
-PHASES = ("match", "propose", "solve", "update", "evolve")
 
 
 @dataclass

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the phases of a step, in order (`time/<phase>` in metrics.parquet, docs/design.md §4.4)
+PHASES = ("match", "propose", "solve", "update", "evolve")
+
 
 @dataclass(frozen=True)
 class Task:

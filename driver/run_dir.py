@@ -53,10 +53,17 @@ def _unify(schemas: list[pa.Schema]) -> pa.Schema:
     return pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
 
 
+def table_path(run: Path, table: str) -> Path:
+    """Where table `table` of run directory `run` lives (a directory of parts, or one file)."""
+    if table not in TABLES:
+        raise KeyError(f"unknown table {table!r} (known: {', '.join(TABLES)})")
+    return Path(run) / f"{table}.parquet"
+
+
 def read_table(run: Path, table: str, columns: list[str] | None = None) -> pa.Table:
     """One table of a run, its parts read as one (schemas unified: missing columns are null,
     null and narrower types promoted), or the single file of an older run directory."""
-    path = Path(run) / f"{table}.parquet"
+    path = table_path(run, table)
     if path.is_file():
         return pq.read_table(path, columns=columns)
     if not path.is_dir():
@@ -115,7 +122,7 @@ class RunDir:
         return cls(path)
 
     def table_dir(self, table: str) -> Path:
-        return self.path / f"{table}.parquet"
+        return table_path(self.path, table)
 
     def append(self, table: str, rows: list[dict]) -> None:
         if table not in TABLES:

@@ -95,9 +95,7 @@ class Actors:
 
 
 def trainer_settings(cfg: Config) -> TrainerSettings:
-    c = cfg.learner
-    return TrainerSettings(lr=c.lr, weight_decay=c.weight_decay, clip_eps=c.clip_eps, max_grad_norm=c.max_grad_norm,
-                           micro_batch=c.micro_batch, epochs=c.epochs, is_cap=c.is_cap)
+    return TrainerSettings.of(cfg.learner)
 
 
 def member_names(members: dict[str, list[str]]) -> list[str]:

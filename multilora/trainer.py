@@ -36,6 +36,7 @@ import torch
 from multilora import allocator
 from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
+from multilora.settings import TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,6 @@ class TrainSample:
     # loss gains kl_coef x the mean over its loss tokens of the k3 estimate of
     # KL(pi_adapter || pi_base), the base's log-probs from the same model with the adapter off
     kl_coef: float = 0.0
-
-
-@dataclass(frozen=True)
-class TrainerSettings:
-    lr: float = 1e-5  # driver.config.LearnerConfig's defaults, the reasons there
-    weight_decay: float = 0.0
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
-    micro_batch: int = 8
-    epochs: int = 1
-    is_cap: float = 2.0  # truncation of the per-token importance weight (stale rows only)
 
 
 def importance_weights(samples: Sequence[TrainSample], idx: Sequence[int], logp: torch.Tensor,

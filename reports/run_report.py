@@ -26,11 +26,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-PHASES = ("match", "propose", "solve", "update", "evolve")
+from driver.records import PHASES
+from driver.run_dir import read_table, table_path
+from verifier_sandbox.tasks import TASK_TYPES
+
 COMPLEXITY = (("ast_depth", "AST depth", "levels"), ("cyclomatic", "Cyclomatic complexity", "paths"),
               ("loc", "Program length", "lines"), ("n_variables", "Variables", "distinct names"))
 ROLE_NAMES = {"teacher": "teachers", "student": "students", "agent": "agent"}
-TASK_TYPES = ("code_i", "code_o", "code_f")
 TASK_TYPE_COLORS = {(0, "code_i"): "#1f77b4", (0, "code_o"): "#d62728", (0, "code_f"): "#2ca02c",
                     (1, "code_i"): "#9467bd", (1, "code_o"): "#ff7f0e", (1, "code_f"): "#8c564b"}
 # one colour per (run, role); the compared run is also dashed, so print in grey still works
@@ -62,16 +64,22 @@ def _clean(value):
 
 
 def _read_table(path: Path) -> list[dict]:
-    if not path.exists():  # a table: a directory of parts, or one file (older runs)
+    if not path.exists():
         return []
     return [{k: _clean(v) for k, v in row.items()} for row in pq.read_table(path).to_pylist()]
+
+
+def _run_table(run: Path, table: str) -> list[dict]:
+    if not table_path(run, table).exists():
+        return []
+    return [{k: _clean(v) for k, v in row.items()} for row in read_table(run, table).to_pylist()]
 
 
 def load_run(path: Path, name: str | None = None) -> RunData:
     path = Path(path)
     config = path / "config.yaml"
-    return RunData(name or path.name, path, _read_table(path / "metrics.parquet"),
-                   _read_table(path / "tasks.parquet"), _read_table(path / "lineage.parquet"),
+    return RunData(name or path.name, path, _run_table(path, "metrics"), _run_table(path, "tasks"),
+                   _run_table(path, "lineage"),
                    config.read_text() if config.is_file() else "")
 
 

@@ -40,11 +40,12 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from reports import intervals
+from driver.run_dir import read_table, table_path
 from evaluation.held_out import DONE, EVAL_DIR
+from reports import intervals
 from reports.study_spec import TRAINED, Study, runs_of, trained
+from verifier_sandbox.tasks import TASK_TYPES
 
-TASK_TYPES = ("code_i", "code_o", "code_f")
 # (key, title, metrics.parquet column, y-axis label, bounds): last-third means and curves
 RATES = (
     ("valid_rate", "Valid-task rate", "teacher/valid_rate", "valid proposals (fraction)", (0.0, 1.0)),
@@ -72,12 +73,17 @@ figure { margin: 1.5em 0; } figcaption { color: #555; max-width: 60em; } img { m
 
 
 # ---- reading the runs ------------------------------------------------------------------
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():  # a table: a directory of parts, or one file (older runs)
-        return []
-    table = pq.read_table(path)
+def _finite(table) -> list[dict]:
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
             for row in table.to_pylist()]
+
+
+def _rows(path: Path) -> list[dict]:
+    return _finite(pq.read_table(path)) if path.is_file() else []
+
+
+def _run_rows(run: Path, table: str) -> list[dict]:
+    return _finite(read_table(run, table)) if table_path(run, table).exists() else []
 
 
 def _number(v) -> bool:
@@ -109,7 +115,7 @@ def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], 
     """A run's curves, its last-third / last-step figures, and its training time: its steps'
     wall clock (`time/step`) summed, so a run resumed after an interruption counts every
     step once and no start-up or lost partial step."""
-    metrics, tasks = _rows(path / "metrics.parquet"), _rows(path / "tasks.parquet")
+    metrics, tasks = _run_rows(path, "metrics"), _run_rows(path, "tasks")
     curves: dict[str, dict[int, float]] = {}
     scalars: dict[str, float] = {}
     for key, _, column, _, _ in RATES:

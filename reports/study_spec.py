@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from driver.config import Config, ConfigError, load_config, read_yaml_mapping
+from driver.run_dir import read_table
 from evaluation.held_out import DONE as EVAL_DONE
 from evaluation.held_out import EVAL_DIR
 
@@ -311,9 +312,7 @@ def evaluated(run: Path, study: Study) -> bool:
 def steps_done(run: Path) -> int:
     """The last step in metrics.parquet (0 when there is none yet)."""
     try:
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(run / "metrics.parquet", columns=["step"])
+        table = read_table(run, "metrics", columns=["step"])
         return int(max(table.column("step").to_pylist(), default=0))
     except Exception:  # noqa: BLE001 - a table being swapped in or not yet written: no progress to show
         return 0

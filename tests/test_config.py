@@ -175,3 +175,16 @@ def test_model_dir_error_names_the_node(tmp_path):
                      f"multilora.model.ModelDirError: model.path: '/m' is not a directory on node gpu-1\n")
     assert model_dir_error(actor_failure) == "model.path: '/m' is not a directory on node gpu-1"
     assert model_dir_error("RayActorError: the actor died unexpectedly") is None
+
+
+def test_the_learner_config_is_the_trainers_settings():
+    """The learner's keys take their defaults from `TrainerSettings` and hand all of them on."""
+    from driver.session import trainer_settings
+    from multilora.settings import TrainerSettings
+
+    cfg = load_config(ROOT / "configs/test.yaml", ["learner.lr=0.003", "learner.is_cap=1.5"])
+    assert trainer_settings(cfg) == TrainerSettings(**{**TrainerSettings().__dict__, "lr": 0.003, "is_cap": 1.5,
+                                                        "micro_batch": cfg.learner.micro_batch})
+    from driver.config import LearnerConfig
+
+    assert TrainerSettings.of(LearnerConfig()) == TrainerSettings()

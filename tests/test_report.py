@@ -13,7 +13,7 @@ import pytest
 from driver.cli import main as cli_main
 from reports.run_report import FIGURES, lineage_lanes, load_run, markdown_to_html, write_report
 
-PHASES = ("match", "propose", "solve", "update", "evolve")
+from driver.records import PHASES
 
 
 def metric_row(step: int, member: str, role: str, rng: np.random.Generator, alive: bool = True,
