@@ -28,6 +28,8 @@ from matplotlib.ticker import MaxNLocator
 
 from driver.records import PHASES
 from driver.run_dir import read_table, table_path
+from reports.html import head as page_head
+from reports.html import table as html_table
 from verifier_sandbox.tasks import TASK_TYPES
 
 COMPLEXITY = (("ast_depth", "AST depth", "levels"), ("cyclomatic", "Cyclomatic complexity", "paths"),
@@ -499,10 +501,6 @@ def summary_rows(run: RunData) -> dict[str, str]:
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def lineage_table(run: RunData) -> str:
@@ -527,7 +525,7 @@ def lineage_table(run: RunData) -> str:
                      _fmt(r.get("parent_reward"), 2), recovered, _fmt(r.get("seed"))])
     header = ["#", "step", "role", "replaced (mu − 3σ)", "child", "operator", "params", "parents (mu − 3σ)",
               "probe retention", "parent reward at birth", "recovered at", "seed"]
-    return _table(header, rows)
+    return html_table(header, rows)
 
 
 def recovery_rows(run: RunData) -> list[dict]:
@@ -557,7 +555,7 @@ def recovery_table(run: RunData) -> str:
         return "<p>No child with a parent reward at birth in this run.</p>"
     header = ["role", "operator", "children", "have played", "reached the parent's reward",
               "median update reached", "mean gap at latest update", "updates tracked (max)"]
-    return _table(header, [[r["role"], r["operator"], str(r["children"]), str(r["played"]), str(r["recovered"]),
+    return html_table(header, [[r["role"], r["operator"], str(r["children"]), str(r["played"]), str(r["recovered"]),
                             _fmt(r["median_update"], 1), _fmt(r["latest_gap"], 2), str(r["updates"])]
                            for r in rows])
 
@@ -622,7 +620,7 @@ def eval_section(run: RunData) -> str:
         if not rows:
             return "<p>eval.parquet is empty.</p>"
         header = list(dict.fromkeys(k for r in rows for k in r))
-        return _table(header, [[_fmt(r.get(k)) for k in header] for r in rows])
+        return html_table(header, [[_fmt(r.get(k)) for k in header] for r in rows])
     return ""
 
 
@@ -685,14 +683,6 @@ FIGURES = (
     ("time.png", "Time per phase", "Mean wall-clock seconds per step in each of the five phases."),
 )
 
-CSS = """
-body { font-family: system-ui, sans-serif; max-width: 1250px; margin: 2em auto; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.95em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; }
-th { background: #f2f2f2; } tr:nth-child(even) td { background: #fafafa; }
-figure { margin: 1.5em 0; } figcaption { color: #555; max-width: 60em; }
-img { max-width: 100%; border: 1px solid #eee; } pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
-"""
 
 
 def write_report(run: Path, compare: Path | None = None, out: Path | None = None) -> Path:
@@ -739,13 +729,12 @@ def write_report(run: Path, compare: Path | None = None, out: Path | None = None
         for name, fig in figures.items():
             fig.savefig(out / name, format="png")
     names = " vs ".join(html.escape(r.name) for r in runs)
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>PopuLoRA report: {names}</title>",
-             f"<style>{CSS}</style></head><body>", f"<h1>PopuLoRA report: {names}</h1>",
+    parts = [page_head(f"PopuLoRA report: {' vs '.join(r.name for r in runs)}"), f"<h1>PopuLoRA report: {names}</h1>",
              "<p>" + "<br>".join(f"{'compared with' if i else 'run'}: <code>{html.escape(str(r.path))}</code>"
                                  for i, r in enumerate(runs)) + "</p>",
              "<h2>Summary</h2>"]
     summaries = [summary_rows(r) for r in runs]
-    parts.append(_table(["", *[r.name for r in runs]], [[k, *[s[k] for s in summaries]] for k in summaries[0]]))
+    parts.append(html_table(["", *[r.name for r in runs]], [[k, *[s[k] for s in summaries]] for k in summaries[0]]))
     evals = [(r, eval_section(r)) for r in runs]
     if any(section for _, section in evals):
         parts.append("<h2>Evaluation</h2>")

@@ -25,7 +25,6 @@ page says "no detectable difference" (or "not judged" with a single seed).
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
 import zlib
@@ -43,6 +42,8 @@ from matplotlib.ticker import MaxNLocator
 from driver.run_dir import read_table, table_path
 from evaluation.held_out import DONE, EVAL_DIR
 from reports import intervals
+from reports.html import Html, escape, head
+from reports.html import table as html_table
 from reports.study_spec import TRAINED, Study, runs_of, trained
 from verifier_sandbox.tasks import TASK_TYPES
 
@@ -63,13 +64,6 @@ COMPLEXITY = (("ast_depth", "AST depth"), ("cyclomatic", "cyclomatic complexity"
 STATS: dict[str, Callable] = {"mean": np.mean, "weakest": np.min, "best": np.max}
 STYLE = {"font.size": 11, "axes.titlesize": 13, "legend.fontsize": 9, "axes.grid": True, "grid.alpha": 0.3,
          "savefig.dpi": 100, "savefig.bbox": "tight"}
-CSS = """
-body { font-family: system-ui, sans-serif; max-width: 1250px; margin: 2em auto; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.92em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }
-th { background: #f2f2f2; } .yes { color: #0a6b1f; font-weight: 600; } .no { color: #666; }
-figure { margin: 1.5em 0; } figcaption { color: #555; max-width: 60em; } img { max-width: 100%; }
-"""
 
 
 # ---- reading the runs ------------------------------------------------------------------
@@ -430,13 +424,7 @@ def _diff_cell(d: dict | None) -> str:
     if not d:
         return ""
     cls = "yes" if d["verdict"] == "larger than its interval" else "no"
-    return f"{_cell(d, signed=True)}<br><span class='{cls}'>{html.escape(d['verdict'])}</span>"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return Html(f"{escape(_cell(d, signed=True))}<br><span class='{cls}'>{escape(d['verdict'])}</span>")
 
 
 def _metric_html(study: Study, key: str, table: dict) -> str:
@@ -449,9 +437,9 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     for arm in study.arms:
         entry = table["arms"].get(arm.name)
         if entry is None:
-            rows.append([html.escape(arm.name), "no finished run", "0"] + [""] * (len(header) - 3))
+            rows.append([arm.name, "no finished run", "0"] + [""] * (len(header) - 3))
             continue
-        row = [html.escape(arm.name), _cell(entry["estimate"]), str(entry["estimate"]["n"])]
+        row = [arm.name, _cell(entry["estimate"]), str(entry["estimate"]["n"])]
         if study.baseline:
             row.append(_diff_cell(entry.get("vs_baseline")))
         if study.control:
@@ -460,12 +448,12 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     if "base" in table:
         rows.append(["base model", _cell(table["base"]), "–"] + [""] * (len(header) - 3))
     extra = f" ({table['problems']} problems)" if "problems" in table else ""
-    note = f"<p>{html.escape(table['note'])}</p>" if table.get("note") else ""
+    note = f"<p>{escape(table['note'])}</p>" if table.get("note") else ""
     pairs = ""
     if table.get("pairs"):
-        pairs = _table(["difference", "value [95% interval]"],
-                       [[html.escape(name), _diff_cell(d)] for name, d in table["pairs"].items()])
-    return f"<h3>{html.escape(_title(key))}{extra}</h3>{note}{_table(header, rows)}{pairs}"
+        pairs = html_table(["difference", "value [95% interval]"],
+                       [[name, _diff_cell(d)] for name, d in table["pairs"].items()])
+    return f"<h3>{escape(_title(key))}{extra}</h3>{note}{html_table(header, rows)}{pairs}"
 
 
 def _machine(m: dict | None) -> str:
@@ -542,13 +530,12 @@ def write_study_report(study: Study) -> Path:
             figures = {"evaluation.png": ev, **figures}
         for name, (fig, _) in figures.items():
             fig.savefig(out / name, format="png")
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Study {html.escape(study.name)}</title>",
-             f"<style>{CSS}</style></head><body><h1>Study {html.escape(study.name)}</h1>"]
+    parts = [head(f"Study {study.name}"), f"<h1>Study {escape(study.name)}</h1>"]
     if study.description:
-        parts.append(f"<p>{html.escape(study.description)}</p>")
+        parts.append(f"<p>{escape(study.description)}</p>")
     parts.append(f"<p>{len(study.arms)} arms × {len(study.seeds)} seeds, {study.steps} training steps per run; "
-                 f"{len(finished)} of {len(run_rows)} runs finished. Baseline: {html.escape(str(study.baseline))}; "
-                 f"no-learning control: {html.escape(str(study.control))}.</p>")
+                 f"{len(finished)} of {len(run_rows)} runs finished. Baseline: {escape(str(study.baseline))}; "
+                 f"no-learning control: {escape(str(study.control))}.</p>")
     parts.append("<p>Each number is an arm's mean over its seeds with a 95% percentile-bootstrap interval "
                  f"({intervals.DRAWS} draws, fixed seed). Training figures resample the seeds (a seed is a whole "
                  "run, the unit that replicates); evaluation scores resample the seeds and the problems, one draw "
@@ -560,28 +547,27 @@ def write_study_report(study: Study) -> Path:
     detected = [x for x in lines if x.endswith("larger than its interval")]
     other = [x for x in lines if not x.endswith("larger than its interval")]
     parts.append("<h3>Differences larger than their interval</h3>"
-                 + ("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in detected) + "</ul>" if detected
+                 + ("<ul>" + "".join(f"<li>{escape(x)}</li>" for x in detected) + "</ul>" if detected
                     else "<p>None.</p>"))
     parts.append("<h3>No detectable difference (or not judged)</h3>"
-                 + ("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in other) + "</ul>" if other
+                 + ("<ul>" + "".join(f"<li>{escape(x)}</li>" for x in other) + "</ul>" if other
                     else "<p>None.</p>"))
     parts.append("<h2>Figures</h2>")
     for name, (_, caption) in figures.items():
         data = base64.b64encode((out / name).read_bytes()).decode()
         parts.append(f"<figure><a href='{name}'><img src='data:image/png;base64,{data}' alt='{name}'></a>"
-                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+                     f"<figcaption>{escape(caption)}</figcaption></figure>")
     parts.append("<h2>Tables</h2>")
     for key, table in metrics.items():
         parts.append(_metric_html(study, key, table))
     parts.append("<h2>Runs</h2>")
-    parts.append(_table(["run", "arm", "seed", "finished", "evaluated", "train seconds", "machine"],
+    parts.append(html_table(["run", "arm", "seed", "finished", "evaluated", "train seconds", "machine"],
                         [[r["run"], r["arm"], str(r["seed"]), str(r["finished"]), str(r["evaluated"]),
                           f"{r['train_seconds']:.0f}" if r["train_seconds"] is not None else "–",
-                          html.escape(_machine(r["machine"]))] for r in run_rows]))
+                          _machine(r["machine"])] for r in run_rows]))
     parts.append("<h2>Arms</h2>")
-    parts.append(_table(["arm", "config", "overrides", "description"],
-                        [[html.escape(a.name), html.escape(a.config), html.escape(" ".join(a.overrides)),
-                          html.escape(a.description)] for a in study.arms]))
+    parts.append(html_table(["arm", "config", "overrides", "description"],
+                        [[a.name, a.config, " ".join(a.overrides), a.description] for a in study.arms]))
     parts.append("</body></html>")
     path = out / "index.html"
     path.write_text("\n".join(parts))

@@ -223,3 +223,12 @@ def test_the_report_reads_tables_stored_as_parts(tmp_path):
     single, parted = load_run(files), load_run(parts)
     assert (parted.metrics, parted.tasks, parted.lineage) == (single.metrics, single.tasks, single.lineage)
     assert "teacher-2" in check_report(write_report(parts))
+
+
+def test_report_cells_are_escaped():
+    """Both reports write their tables through one helper: text from a run directory (a
+    member, a program, a path) is escaped; markup the report built itself is kept."""
+    from reports.html import Html, table
+
+    out = table(["name", "<b>"], [["<script>alert(1)</script>", Html("<br>")]])
+    assert "<script>" not in out and "&lt;script&gt;" in out and "&lt;b&gt;" in out and "<td><br></td>" in out
