@@ -35,7 +35,7 @@ from driver.extraction import extract_answer, parse_proposal
 from driver.learning_signal import LowSignalWatch, SignalReport, signal_report
 from driver.logs import set_position
 from driver.prompts import answer_prefix, reply_format, student_prompt, teacher_prompt
-from driver.records import PHASES, Proposal, Rollout, Task
+from driver.records import PHASES, Proposal, Rollout, Task, TrainingRow
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
@@ -104,9 +104,9 @@ class Generated:
     work: list[collapse.WorkFlags] = field(default_factory=list)  # per proposal: structure, size, trivial, repeat
 
     @property
-    def solve_rates(self) -> dict[int, float]:
-        """The solve rates keyed by id(task), as the records read them."""
-        return {id(t): r for t, r in zip(self.tasks, self.rates)}
+    def proposal_rates(self) -> list[float | None]:
+        """Each proposal's solve rate, in `proposals` order (None: no valid task)."""
+        return proposal_rates(self.proposals, self.rates)
 
 
 def train_step(step: int, ctx: StepContext, pending: Generated | None = None) -> tuple[dict[str, float],
@@ -153,20 +153,21 @@ def generate(ctx: StepContext, step: int) -> Generated:
 
     with ctx.phase("solve", seconds):
         rollouts = solve(ctx, tasks, [matches[t.teacher] for t in tasks])
-    solve_rates = task_solve_rates(tasks, rollouts)
-    base_rewards = [teacher_reward(p.valid, solve_rates.get(id(p.task))) for p in proposals]
+    rates = task_solve_rates(tasks, rollouts)
+    by_proposal = proposal_rates(proposals, rates)
+    base_rewards = [teacher_reward(p.valid, rate) for p, rate in zip(proposals, by_proposal)]
     structures = [collapse.structure(p.program) for p in proposals]
     repeats = ctx.repeats.repeats(step, proposals, structures)
     teacher_rewards = ctx.repeats.penalised(base_rewards, structures, repeats, ctx.cfg.tasks.repeat_penalty)
     ctx.repeats.record(step, proposals, structures, base_rewards)
     # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
     ray.get(actors.population.record.remote(
-        [(p.teacher, matches[p.teacher], solve_rates[id(p.task)] if p.task is not None else None)
-         for p in proposals]))
+        [(p.teacher, matches[p.teacher], rate) for p, rate in zip(proposals, by_proposal)]))
     for t in tasks:
         ctx.buffer.add(t)
-    return Generated(step, ctx.version, matches, proposals, tasks, rollouts, [solve_rates[id(t)] for t in tasks],
-                     teacher_rewards, seconds, collapse.flags(proposals, structures, repeats))
+    return Generated(step=step, version=ctx.version, matches=matches, proposals=proposals, tasks=tasks,
+                     rollouts=rollouts, rates=rates, teacher_rewards=teacher_rewards, seconds=seconds,
+                     work=collapse.flags(proposals, structures, repeats))
 
 
 # ---- phases ----------------------------------------------------------------------------
@@ -237,10 +238,12 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
                   else None if valid else (v or {}).get("reason", "invalid"))
         c = out.completions[0]
         source = ("seed" if refs[0].teacher == "seed" else "proposal") if task_type == "code_f" else "proposal"
-        proposals.append(Proposal(teacher, task_type, out.prompt_ids, c.token_ids, pre + c.text, program, p.input,
-                                  tuple(p.inputs), p.message, valid, reason, task, source, c.supplied, copies[i],
-                                  novelty.exact_copy(task_type, p.program, refs) if p.error is None else False,
-                                  c.logprobs, (v or {}).get("trivial")))
+        proposals.append(Proposal(
+            teacher=teacher, task_type=task_type, prompt_ids=out.prompt_ids, completion_ids=c.token_ids,
+            text=pre + c.text, program=program, input=p.input, inputs=tuple(p.inputs), message=p.message,
+            valid=valid, reason=reason, task=task, source=source, supplied=c.supplied, copy_of=copies[i],
+            exact_copy=novelty.exact_copy(task_type, p.program, refs) if p.error is None else False,
+            logprobs=c.logprobs, trivial=(v or {}).get("trivial")))
     return proposals
 
 
@@ -265,8 +268,9 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
         verdict = next(verdicts) if answer is not None else {"correct": False, "reason": "malformed"}
         correct = bool(verdict.get("correct"))
         malformed = not correct and verdict.get("reason") == "malformed"
-        rollouts.append(Rollout(student, i, prompt_ids, c.token_ids, answer, correct, malformed,
-                                student_reward(correct, malformed), c.supplied, c.logprobs))
+        rollouts.append(Rollout(student=student, task_index=i, prompt_ids=prompt_ids, completion_ids=c.token_ids,
+                                answer=answer, correct=correct, malformed=malformed,
+                                reward=student_reward(correct, malformed), supplied=c.supplied, logprobs=c.logprobs))
     return rollouts
 
 
@@ -278,12 +282,22 @@ def check_request(task: Task, answer: str) -> dict:
             "answer": answer}
 
 
-def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> dict[int, float]:
-    """rho(t, s, p) per task, keyed by id(task)."""
+def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> list[float]:
+    """rho(t, s, p) of each task, in `tasks` order (a rollout names its task by index)."""
     correct: dict[int, list[bool]] = defaultdict(list)
     for r in rollouts:
         correct[r.task_index].append(r.correct)
-    return {id(task): float(np.mean(correct[i])) if correct[i] else 0.0 for i, task in enumerate(tasks)}
+    return [float(np.mean(correct[i])) if correct[i] else 0.0 for i in range(len(tasks))]
+
+
+def proposal_rates(proposals: list[Proposal], rates: list[float]) -> list[float | None]:
+    """The solve rate of each proposal's task, in `proposals` order (None: no valid task).
+    The step's tasks are its valid proposals' tasks in order, so the two lists align."""
+    valid = iter(rates)
+    out = [next(valid) if p.task is not None else None for p in proposals]
+    if next(valid, None) is not None:
+        raise ValueError("more solve rates than valid proposals")
+    return out
 
 
 def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef], SignalReport, int]:
@@ -293,20 +307,22 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef]
     role, overall, whose advantage is non-zero: the only rows that move an adapter) and the
     rows dropped because their member was replaced since they were sampled."""
     proposals, rollouts, tasks = gen.proposals, gen.rollouts, gen.tasks
-    rows = [(p.teacher, "teacher", p.task_type, p.prompt_ids, p.completion_ids, r, p.supplied, p.logprobs)
-            for p, r in zip(proposals, gen.teacher_rewards)]
-    rows += [(r.student, "student", tasks[r.task_index].task_type, r.prompt_ids, r.completion_ids, r.reward,
-              r.supplied, r.logprobs) for r in rollouts]
-    advantages = group_advantages([row[5] for row in rows], [row[:3] for row in rows])
-    signal = signal_report([row[0] for row in rows], [row[1] for row in rows], advantages,
+    rows = [TrainingRow(member=p.teacher, role="teacher", task_type=p.task_type, prompt_ids=p.prompt_ids,
+                        completion_ids=p.completion_ids, reward=reward, supplied=p.supplied, logprobs=p.logprobs)
+            for p, reward in zip(proposals, gen.teacher_rewards)]
+    rows += [TrainingRow(member=r.student, role="student", task_type=tasks[r.task_index].task_type,
+                         prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, reward=r.reward,
+                         supplied=r.supplied, logprobs=r.logprobs) for r in rollouts]
+    advantages = group_advantages([row.reward for row in rows], [row.group for row in rows])
+    signal = signal_report([row.member for row in rows], [row.role for row in rows], advantages,
                            valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
                            solved_rollouts=sum(r.correct for r in rollouts),
                            malformed_rollouts=sum(r.malformed for r in rollouts))
     temperature = ctx.cfg.tasks.temperature  # every training row is sampled at it (`sampling`)
     kl = {"teacher": ctx.cfg.learner.teacher_kl_coef, "student": 0.0}
-    samples = [TrainSample(adapter, prompt, completion, adv, supplied, gen.version, logprobs, temperature,
-                           kl_coef=kl[role])
-               for (adapter, role, _, prompt, completion, _, supplied, logprobs), adv in zip(rows, advantages)]
+    samples = [TrainSample(row.member, row.prompt_ids, row.completion_ids, adv, row.supplied, gen.version,
+                           row.logprobs, temperature, kl_coef=kl[row.role])
+               for row, adv in zip(rows, advantages)]
     dropped = 0
     if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
         members = ray.get(ctx.actors.population.members.remote())
@@ -355,12 +371,12 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
         jobs = proposal_jobs(ctx, [parent], rng)  # the same references for both, one mixed batch
         proposals = propose_jobs(ctx, jobs + [(child, tt, refs) for _, tt, refs in jobs], event.step, greedy=True)
         tasks = [p.task for p in proposals if p.task is not None]
-        rates = task_solve_rates(tasks, solve(ctx, tasks, [judge] * len(tasks), greedy=True))
+        rates = proposal_rates(proposals, task_solve_rates(tasks, solve(ctx, tasks, [judge] * len(tasks), greedy=True)))
         scores, rewards = {}, {}
         for m in (parent, child):
-            mine = [p for p in proposals if p.teacher == m]
-            scores[m] = float(np.mean([p.valid for p in mine]))
-            rewards[m] = float(np.mean([teacher_reward(p.valid, rates.get(id(p.task))) for p in mine]))
+            mine = [(p, rate) for p, rate in zip(proposals, rates) if p.teacher == m]
+            scores[m] = float(np.mean([p.valid for p, _ in mine]))
+            rewards[m] = float(np.mean([teacher_reward(p.valid, rate) for p, rate in mine]))
         extra = {"probe_student": judge, "parent_probe_reward": rewards[parent],
                  "child_probe_reward": rewards[child]}
     parent_score, child_score = scores[parent], scores[child]
@@ -387,7 +403,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     `dropped`: rows of replaced members left out of the update; `wall`: the step's wall-clock
     seconds when its phases overlapped another step's (None: the phases' sum)."""
     matches, proposals, teacher_rewards = gen.matches, gen.proposals, gen.teacher_rewards
-    tasks, solve_rates, rollouts = gen.tasks, gen.solve_rates, gen.rollouts
+    rollouts = gen.rollouts
     ratings = ray.get(ctx.actors.population.ratings.remote())
     members = ray.get(ctx.actors.population.members.remote())
     teachers, students = members["teachers"], members["students"]
@@ -445,16 +461,15 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     ctx.trackers.log(step, metrics)
     ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in teachers else "student", **r}
                                for m, r in ratings.items()])
-    rates = {id(t): solve_rates[id(t)] for t in tasks}
     task_rows = []
-    for p, r, h, w in zip(proposals, teacher_rewards, hashes, gen.work):
+    for p, r, h, w, rate in zip(proposals, teacher_rewards, hashes, gen.work, gen.proposal_rates):
         cx = complexity(p.task.program) if p.task is not None else {}
         task_rows.append({
             "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
             "valid": p.valid, "reason": p.reason, "completion": p.text, "program": p.program, "input": p.input,
             "output": p.task.output if p.task else None, "inputs": list(p.inputs),
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
-            "solve_rate": rates.get(id(p.task)) if p.task else None, "teacher_reward": r,
+            "solve_rate": rate, "teacher_reward": r,
             **{k: cx.get(k) for k in ("ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes")},
             "ast_hash": h, "program_source": p.source, "copy_of": p.copy_of, "copy_exact": p.exact_copy,
             "structure": w.structure, "structure_nodes": w.nodes, "trivial": w.trivial, "repeat_of": w.repeat_of,
@@ -485,7 +500,7 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
         **{f"signal_rows_{role}": signal.rows_by_role.get(role, 0) for role in ("teacher", "student")},
         **{f"signal_nonzero_{role}": round(signal.by_role.get(role, 0.0) * signal.rows_by_role.get(role, 0))
            for role in ("teacher", "student")},
-        "tasks": len(tasks), "replaced": len(events), "dropped_samples": dropped, **times,
+        "tasks": len(gen.tasks), "replaced": len(events), "dropped_samples": dropped, **times,
     }
     ctx.summaries.append(summary)
     ctx.low_signal.observe(step, signal)

@@ -74,3 +74,23 @@ class Rollout:
     reward: float
     supplied: tuple[bool, ...] = ()  # completion tokens the reply format supplied (not trained on)
     logprobs: tuple[float, ...] = ()  # as Proposal.logprobs
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One sequence the learner trains on: a teacher's proposal or a student's rollout, with
+    its reward (its advantage is normalised within `group`)."""
+
+    member: str
+    role: str  # "teacher" or "student"
+    task_type: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    reward: float
+    supplied: tuple[bool, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+    @property
+    def group(self) -> tuple[str, str, str]:
+        """The rows whose rewards are normalised together: one member, role and task type."""
+        return self.member, self.role, self.task_type

@@ -140,7 +140,7 @@ def test_records_and_rng_states_come_back_equal():
     back = _roundtrip(state)
     assert back["pending"] == pending and back["seeds"] == state["seeds"]
     assert back["pending"].tasks[0] is back["pending"].proposals[0].task, "shared records stay shared"
-    assert back["pending"].solve_rates == {id(back["pending"].proposals[0].task): 0.5}
+    assert back["pending"].proposal_rates == [0.5]
     assert type(back["pending"].teacher_rewards[0]) is np.float64
     assert back["seeds"]["code_f"][0] is back["seeds"]["code_f"][1]
     assert back["python_random"] == state["python_random"]
