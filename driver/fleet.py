@@ -298,3 +298,35 @@ class Shards:
     def kill(self) -> None:
         for h in self.handles:
             ray.kill(h, no_restart=True)
+
+
+class Population:
+    """The driver's side of the PopulationManager actor: its calls, awaited, so the loop
+    reads as plain calls (`handle` is the actor, for liveness checks and shutdown)."""
+
+    def __init__(self, handle: ray.actor.ActorHandle) -> None:
+        self.handle = handle
+
+    def ready(self) -> str:
+        return ray.get(self.handle.ready.remote())
+
+    def members(self) -> dict[str, list[str]]:
+        return ray.get(self.handle.members.remote())
+
+    def match(self) -> dict[str, str]:
+        return ray.get(self.handle.match.remote())
+
+    def record(self, games: list[tuple[str, str, float | None]]) -> None:
+        ray.get(self.handle.record.remote(games))
+
+    def ratings(self) -> dict[str, dict[str, float]]:
+        return ray.get(self.handle.ratings.remote())
+
+    def plan_replacements(self, step: int) -> list:
+        return ray.get(self.handle.plan_replacements.remote(step))
+
+    def state_dict(self) -> dict:
+        return ray.get(self.handle.state_dict.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        ray.get(self.handle.load_state_dict.remote(state))

@@ -145,7 +145,7 @@ def generate(ctx: StepContext, step: int) -> Generated:
     enter the buffer before the next step's matches and proposals are made."""
     actors, seconds = ctx.actors, {}
     with ctx.phase("match", seconds):
-        matches: dict[str, str] = ray.get(actors.population.match.remote())
+        matches: dict[str, str] = actors.population.match()
 
     with ctx.phase("propose", seconds):
         proposals = propose(ctx, list(matches), step)
@@ -161,8 +161,8 @@ def generate(ctx: StepContext, step: int) -> Generated:
     teacher_rewards = ctx.repeats.penalised(base_rewards, structures, repeats, ctx.cfg.tasks.repeat_penalty)
     ctx.repeats.record(step, proposals, structures, base_rewards)
     # one game per proposal; an invalid one (solve rate None) is a forfeit its teacher loses
-    ray.get(actors.population.record.remote(
-        [(p.teacher, matches[p.teacher], rate) for p, rate in zip(proposals, by_proposal)]))
+    actors.population.record(
+        [(p.teacher, matches[p.teacher], rate) for p, rate in zip(proposals, by_proposal)])
     for t in tasks:
         ctx.buffer.add(t)
     return Generated(step=step, version=ctx.version, matches=matches, proposals=proposals, tasks=tasks,
@@ -325,7 +325,7 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef]
                for row, adv in zip(rows, advantages)]
     dropped = 0
     if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
-        members = ray.get(ctx.actors.population.members.remote())
+        members = ctx.actors.population.members()
         alive = set(members["teachers"]) | set(members["students"])
         kept = [s for s in samples if s.adapter in alive]
         dropped, samples = len(samples) - len(kept), kept
@@ -337,7 +337,7 @@ def evolve(ctx: StepContext, step: int) -> list[tuple[Replacement, dict]]:
     """Replace the weakest teacher and student by children made in LoRA weight space, and
     measure each child's capability retention against its first parent."""
     actors = ctx.actors
-    events = ray.get(actors.population.plan_replacements.remote(step))
+    events = actors.population.plan_replacements(step)
     for e in events:
         actors.learner.spawn_child(e.dead, e.child, list(e.parents), e.operator, e.params, e.seed)
     if events:
@@ -365,8 +365,8 @@ def retention(ctx: StepContext, event: Replacement) -> dict:
                   for m in (parent, child)}
         extra = {}
     else:
-        ratings = ray.get(ctx.actors.population.ratings.remote())
-        students = ray.get(ctx.actors.population.members.remote())["students"]
+        ratings = ctx.actors.population.ratings()
+        students = ctx.actors.population.members()["students"]
         judge = max(students, key=lambda m: (ratings[m]["conservative"], m))
         jobs = proposal_jobs(ctx, [parent], rng)  # the same references for both, one mixed batch
         proposals = propose_jobs(ctx, jobs + [(child, tt, refs) for _, tt, refs in jobs], event.step, greedy=True)
@@ -404,8 +404,8 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     seconds when its phases overlapped another step's (None: the phases' sum)."""
     matches, proposals, teacher_rewards = gen.matches, gen.proposals, gen.teacher_rewards
     rollouts = gen.rollouts
-    ratings = ray.get(ctx.actors.population.ratings.remote())
-    members = ray.get(ctx.actors.population.members.remote())
+    ratings = ctx.actors.population.ratings()
+    members = ctx.actors.population.members()
     teachers, students = members["teachers"], members["students"]
     single = ctx.cfg.population.mode == "single"
     times = {f"time/{k}": ctx.seconds.get(k, 0.0) for k in PHASES}
@@ -550,7 +550,7 @@ def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = Non
     start = time.perf_counter()
     a = ctx.actors
     learner, inference = a.learner.state_dict(), a.inference.state_dict()
-    population = ray.get(a.population.state_dict.remote())
+    population = a.population.state_dict()
     driver = {
         "buffer": ctx.buffer.state_dict(), "rng": ctx.rng.bit_generator.state, "python_random": random.getstate(),
         "numpy_random": np.random.get_state(), "torch_random": torch.get_rng_state(),
@@ -571,7 +571,7 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     a = ctx.actors
     a.learner.load_state_dict(parts["learner"])
     a.inference.load_state_dict(parts["inference"])
-    ray.get(a.population.load_state_dict.remote(parts["population"]))
+    a.population.load_state_dict(parts["population"])
     d = parts["driver"]
     ctx.buffer.load_state_dict(d["buffer"])
     ctx.rng.bit_generator.state = d["rng"]
@@ -579,7 +579,7 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
     np.random.set_state(d["numpy_random"])
     torch.set_rng_state(d["torch_random"])
     # the tables as they were after `step`: the run directory holds them, the checkpoint does not
-    living = set(member_names(ray.get(a.population.members.remote())))
+    living = set(member_names(a.population.members()))
     updates = ctx.cfg.population.recovery_updates
     ctx.run.rollback(step, lambda lineage: recovery.replay(lineage, ctx.run.path, step, updates, living),
                      keep_open=recovery.still_open(updates, living))
@@ -594,7 +594,7 @@ def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
 
 def start_run(cfg: Config, actors: Actors, ctx_factory) -> StepContext:
     """A fresh run: initial adapters, the seed task buffer, and checkpoint 0."""
-    members = ray.get(actors.population.members.remote())
+    members = actors.population.members()
     actors.learner.init_members(member_names(members), cfg.run.seed)
     actors.sync(0)
     return ctx_factory(seed_buffer(cfg, actors))

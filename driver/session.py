@@ -16,7 +16,7 @@ from actors.learner import Learner
 from actors.population import PopulationManager
 from actors.verifier import VerifierPool
 from driver.config import Config, ConfigError
-from driver.fleet import Replicas, Shards, assign_shards
+from driver.fleet import Population, Replicas, Shards, assign_shards
 from multilora import allocator
 from multilora.embedded import resolve_model_path
 from multilora.model import LoraSpec
@@ -61,7 +61,7 @@ def start_ray(cfg: Config) -> None:
 class Actors:
     inference: Replicas  # inference.replicas engines behind one generate
     learner: Shards  # learner.shards learners, each owning a share of the members
-    population: ray.actor.ActorHandle
+    population: Population  # the PopulationManager actor, through its client
     verifier: VerifierPool
     model_path: str
     spec: LoraSpec
@@ -72,13 +72,13 @@ class Actors:
         """Wait until every stateful actor is up; record each one's incarnation."""
         self.inference.ready()
         self.learner.ready()
-        self.population_incarnation = ray.get(self.population.ready.remote())
+        self.population_incarnation = self.population.ready()
 
     def restarted(self) -> bool:
         """True when a stateful actor is dead or was restarted by Ray (and lost its state).
         A replica replaced after a failed call is not: `Replicas` synced it and recorded it."""
         expected = (*self.inference.incarnations, *self.learner.incarnations, self.population_incarnation)
-        handles = (*self.inference.handles, *self.learner.handles, self.population)
+        handles = (*self.inference.handles, *self.learner.handles, self.population.handle)
         try:
             return tuple(ray.get([h.ready.remote() for h in handles], timeout=120)) != expected
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -206,7 +206,8 @@ def create_actors(cfg: Config) -> Actors:
         pfsp_weighting=p.pfsp_weighting, pfsp_p=p.pfsp_p, tournament_k=p.tournament_k, child_sigma=p.child_sigma,
         min_games=p.min_games,
     )
-    shard_of = assign_shards(member_names(ray.get(population.members.remote())), M)
+    population = Population(population)
+    shard_of = assign_shards(member_names(population.members()), M)
     learners = [Learner.options(name=_free_name("Learner" if M == 1 else f"Learner-{k}"), num_cpus=cfg.ray.actor_cpus,
                                 num_gpus=cfg.ray.learner_gpus, runtime_env=env, **placed(R + k)).remote(
         model_path, spec, sum(1 for s in shard_of.values() if s == k), settings, cfg.model.dtype,
@@ -233,6 +234,6 @@ def stop_actors(actors: Actors) -> None:
     actors.verifier.shutdown()
     actors.inference.kill()
     actors.learner.kill()
-    ray.kill(actors.population, no_restart=True)
+    ray.kill(actors.population.handle, no_restart=True)
     if actors.placement is not None:
         remove_placement_group(actors.placement)

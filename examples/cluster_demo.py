@@ -85,7 +85,7 @@ def main() -> None:
                     pass
             for name, handles in (("InferenceServer", ctx.actors.inference.handles),
                                   ("Learner", ctx.actors.learner.handles),
-                                  ("PopulationManager", [ctx.actors.population]), ("VerifierWorker", verifiers)):
+                                  ("PopulationManager", [ctx.actors.population.handle]), ("VerifierWorker", verifiers)):
                 placed[name] = [node_of(h) for h in handles]
 
         cfg = load_config(ROOT / "configs/test.yaml", [*common, "run.name=placed", "model.path=~/models/tiny-llama"])
