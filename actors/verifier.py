@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayActorError
 
 import verifier_sandbox
+from verifier_sandbox.protocol import Request, as_request
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,13 @@ class VerifierPool:
         """`run` requests (CLI JSON dicts) -> results, in request order."""
         return self._map("run", requests)
 
-    def validate(self, requests: list[dict]) -> list[dict]:
+    def validate(self, requests: list[Request | dict]) -> list[dict]:
         """`validate` requests -> results, in request order."""
-        return self._map("validate", requests)
+        return self._map("validate", [as_request(r) for r in requests])
 
-    def check(self, requests: list[dict]) -> list[dict]:
+    def check(self, requests: list[Request | dict]) -> list[dict]:
         """`check` requests -> results, in request order."""
-        return self._map("check", requests)
+        return self._map("check", [as_request(r) for r in requests])
 
     def shutdown(self) -> None:
         """Kills every worker; the pool cannot be used afterwards."""

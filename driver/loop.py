@@ -48,6 +48,7 @@ from multilora.generation import SamplingParams
 from multilora.peft_io import save_adapter
 from multilora.trainer import TrainSample
 from verifier_sandbox import ast_hash, complexity
+from verifier_sandbox.protocol import Request
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,9 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
             continue
         rules = {"reject_trivial": t.reject_trivial, "strip_dead_code": t.strip_dead_code}
         if task_type == "code_f":  # the program is the reference's; the teacher chose inputs
-            requests.append({"task_type": "code_f", "program": refs[0].program, "inputs": list(p.inputs), **rules})
+            requests.append(Request("code_f", refs[0].program, inputs=tuple(p.inputs), **rules))
         else:
-            requests.append({"task_type": task_type, "program": p.program, "input": p.input, **rules})
+            requests.append(Request(task_type, p.program, input=p.input, **rules))
         asked.append(i)
     verdicts = dict(zip(asked, ctx.actors.verifier.validate(requests))) if requests else {}
     proposals = []
@@ -274,12 +275,11 @@ def solve(ctx: StepContext, tasks: list[Task], students: list[str], greedy: bool
     return rollouts
 
 
-def check_request(task: Task, answer: str) -> dict:
+def check_request(task: Task, answer: str) -> Request:
     if task.task_type == "code_f":  # only the held-out pairs decide
-        return {"task_type": "code_f", "program": task.program, "inputs": list(task.inputs[task.shown:]),
-                "outputs": list(task.outputs[task.shown:]), "answer": answer}
-    return {"task_type": task.task_type, "program": task.program, "input": task.input, "output": task.output,
-            "answer": answer}
+        return Request("code_f", task.program, inputs=task.inputs[task.shown:], outputs=task.outputs[task.shown:],
+                       answer=answer)
+    return Request(task.task_type, task.program, input=task.input, output=task.output, answer=answer)
 
 
 def task_solve_rates(tasks: list[Task], rollouts: list[Rollout]) -> list[float]:
@@ -511,12 +511,11 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
 # ---- the job ---------------------------------------------------------------------------
 def seed_buffer(cfg: Config, actors: Actors) -> TaskBuffer:
     """Validate the seed programs in the sandbox to get their gold outputs."""
-    io_requests = [{"task_type": "code_o", "program": s.program, "input": inp}
-                   for s in SEED_PROGRAMS for inp in s.inputs]
-    f_requests = [{"task_type": "code_f", "program": s.program, "inputs": list(s.inputs)} for s in SEED_PROGRAMS]
+    io_requests = [Request("code_o", s.program, input=inp) for s in SEED_PROGRAMS for inp in s.inputs]
+    f_requests = [Request("code_f", s.program, inputs=tuple(s.inputs)) for s in SEED_PROGRAMS]
     results = actors.verifier.validate(io_requests + f_requests)
     io, fs = results[: len(io_requests)], results[len(io_requests):]
-    pairs = [(r["program"], r["input"], v["output"]) for r, v in zip(io_requests, io) if v.get("valid")]
+    pairs = [(r.program, r.input, v["output"]) for r, v in zip(io_requests, io) if v.get("valid")]
     seeds: dict[str, list[Task]] = {}
     for task_type in cfg.tasks.types:
         if task_type == "code_f":

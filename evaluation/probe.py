@@ -189,8 +189,9 @@ def run_probe(cfg: Config, engine, members: Sequence[str], tasks: list[tuple[str
         if answer is None:
             results.append(ProbeResult(member, pid, task.task_type, False, "malformed"))
             continue
-        request = check_request(task, answer)
-        verdict = check(request.pop("task_type"), request.pop("program"), request.pop("answer"), **request,
-                        timeout_s=timeout_s)
+        r = check_request(task, answer)
+        verdict = check(r.task_type, r.program, r.answer, input=r.input, output=r.output,
+                        inputs=list(r.inputs) if r.inputs is not None else None,
+                        outputs=list(r.outputs) if r.outputs is not None else None, timeout_s=timeout_s)
         results.append(ProbeResult(member, pid, task.task_type, verdict.correct, verdict.reason or ""))
     return results

@@ -73,3 +73,15 @@ def test_handle_validate_and_limits():
     slow = handle("run", {"program": "def f():\n    while True:\n        pass",
                           "timeout_s": 0.3})
     assert slow["status"] == "timeout"
+
+
+def test_a_typed_request_is_the_json_contract():
+    """`Request.to_dict` is what the CLI reads: the same verdict either way."""
+    from verifier_sandbox import Request, handle
+
+    r = Request("code_o", "def f(x):\n    return x * 3", input="4", output="12", answer="12")
+    assert r.to_dict() == {"task_type": "code_o", "program": "def f(x):\n    return x * 3", "input": "4",
+                           "output": "12", "answer": "12"}
+    assert handle("check", r.to_dict())["correct"] is True
+    f = Request("code_f", "def f(x):\n    return x + 1", inputs=("1", "2"), reject_trivial=True)
+    assert f.to_dict()["inputs"] == ["1", "2"] and handle("validate", f.to_dict())["outputs"] == ["2", "3"]

@@ -3,12 +3,45 @@ CLI and the Ray workers. `handle` never raises: a bad request is an error reply.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .execute import run_program
 from .tasks import check, validate
 
 OPS = ("run", "validate", "check")
 _FAILED = {"run": {}, "validate": {"valid": False}, "check": {"correct": False}}
 _LIMITS = ("timeout_s", "memory_mb")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One `validate` or `check` request, typed; `to_dict` is its JSON form (§4.2), the one
+    the CLI reads and `handle` serves. code_i / code_o name `input` (and `output` to check);
+    code_f names `inputs` (and `outputs`); a check carries the student's `answer`."""
+
+    task_type: str
+    program: str
+    input: str | None = None
+    output: str | None = None
+    inputs: tuple[str, ...] | None = None
+    outputs: tuple[str, ...] | None = None
+    answer: str | None = None
+    reject_trivial: bool | None = None  # validate only; None: the verifier's default (on)
+    strip_dead_code: bool | None = None
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+
+    def to_dict(self) -> dict:
+        out = {}
+        for key, value in self.__dict__.items():
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def as_request(request: Request | dict) -> dict:
+    """The JSON form of a request, whichever form it came in."""
+    return request.to_dict() if isinstance(request, Request) else request
 
 
 def _text(request: dict, key: str, default: str | None = None, required: bool = True
