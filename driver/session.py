@@ -20,6 +20,7 @@ from driver.fleet import Population, Replicas, Shards, assign_shards
 from multilora import allocator
 from multilora.embedded import resolve_model_path
 from multilora.model import LoraSpec
+from multilora.sampling import RequestOutput, SamplingParams
 from multilora.trainer import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class Actors:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return True
 
-    def generate(self, adapters: list[str], prompts: list[str], params: list, prefixes: list[str] | None = None):
+    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
+                 prefixes: list[str] | None = None) -> list[RequestOutput]:
         """Completions per request, from the replicas (results in request order)."""
         return self.inference.generate(adapters, prompts, params, prefixes)
 

@@ -15,6 +15,7 @@ from actors.inference import InferenceServer
 from driver.config import Config
 from driver.session import start_ray
 from multilora.model import LoraSpec
+from multilora.sampling import RequestOutput, SamplingParams
 
 
 class ServerEngine:
@@ -39,7 +40,8 @@ class ServerEngine:
     def sync_adapters(self, adapters: dict) -> list[str]:
         return ray.get(self.actor.sync_adapters.remote(adapters))
 
-    def generate(self, adapters, prompts, params, prefixes=None):
+    def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],
+                 prefixes: list[str] | None = None) -> list[RequestOutput]:
         return ray.get(self.actor.generate.remote(adapters, prompts, params, prefixes))
 
     def close(self) -> None:

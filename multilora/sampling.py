@@ -5,7 +5,9 @@ loops. A leaf module: torch and the reply format only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,6 +63,18 @@ class RequestOutput:
 
     prompt_ids: tuple[int, ...]
     completions: tuple[Completion, ...]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Whatever generates for the population: an engine (`actors.inference.HFEngine`,
+    `multilora.vllm_engine.VLLMEngine`), the inference actor, its driver-side groups
+    (`driver.fleet.Replicas`, `driver.session.Actors`) and the evaluation's client
+    (`evaluation.server.ServerEngine`). One request per prompt, routed to `adapters[i]`,
+    sampled with `params[i]`; `prefixes[i]` starts the reply; results in request order."""
+
+    def generate(self, adapters: Sequence[str], prompts: Sequence[str], params: Sequence[SamplingParams],
+                 prefixes: Sequence[str] | None = None) -> list[RequestOutput]: ...
 
 
 # Nucleus sampling looks for the nucleus among the 64 most likely tokens first, then among
