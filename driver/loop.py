@@ -402,35 +402,63 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     """Write the step's rows (metrics, ratings, tasks, lineage) and return its summary.
     `dropped`: rows of replaced members left out of the update; `wall`: the step's wall-clock
     seconds when its phases overlapped another step's (None: the phases' sum)."""
-    matches, proposals, teacher_rewards = gen.matches, gen.proposals, gen.teacher_rewards
-    rollouts = gen.rollouts
     ratings = ctx.actors.population.ratings()
     members = ctx.actors.population.members()
-    teachers, students = members["teachers"], members["students"]
-    single = ctx.cfg.population.mode == "single"
-    times = {f"time/{k}": ctx.seconds.get(k, 0.0) for k in PHASES}
-    times["time/step"] = wall if wall is not None else sum(times.values())
-    times["time/overlap"] = ctx.seconds.get("overlap", 0.0)  # seconds the learner and the generation both ran
+    times = step_times(ctx.seconds, wall)
     # the learner refuses (and counts) samples older than pipeline.max_staleness versions
     dropped += int(sum(s.get("refused", 0.0) for s in stats.values()))
-    by_teacher, by_student = defaultdict(list), defaultdict(list)
-    for p, r, w in zip(proposals, teacher_rewards, gen.work):
-        by_teacher[p.teacher].append((p, r, w))
-    for r in rollouts:
-        by_student[r.student].append(r)
-    hashes = [ast_hash(p.program) if p.program else None for p in proposals]
+    hashes = [ast_hash(p.program) if p.program else None for p in gen.proposals]
     # coverage: distinct ASTs among the novel valid programs the teachers wrote (code_f reuses
     # programs; a copy of a seed or a shown reference is not the teachers' work)
-    ctx.coverage.update(h for p, h in zip(proposals, hashes)
+    ctx.coverage.update(h for p, h in zip(gen.proposals, hashes)
                         if p.valid and p.copy_of is None and p.task_type in novelty.WRITES_PROGRAM and h)
+    metrics = metric_rows(step, gen, stats, signal, ratings, members, ctx.cfg.population.mode == "single",
+                          {"pipeline/dropped_samples": dropped, "population/coverage": len(ctx.coverage), **times})
+    ctx.run.append("metrics", metrics)
+    ctx.telemetry.publish(step, metrics, {**ctx.seconds, "step": times["time/step"]})
+    ctx.trackers.log(step, metrics)
+    ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in members["teachers"] else "student",
+                                **r} for m, r in ratings.items()])
+    ctx.run.append("tasks", task_rows(step, gen, hashes))
+    updates = ctx.cfg.population.recovery_updates
+    recovery.track(ctx.run.open_lineage(), metrics, updates)  # earlier children
+    ctx.run.append("lineage", lineage_rows(events, metrics))
+    ctx.run.flush(step, keep_open=recovery.still_open(updates, set(members["teachers"]) | set(members["students"])))
+    summary = step_summary(gen, signal, len(events), dropped, times)
+    ctx.summaries.append(summary)
+    ctx.low_signal.observe(step, signal)
+    ctx.collapse_watch.observe(step, summary)  # its collapse figures: distinct share, program size
+    return summary
+
+
+def step_times(seconds: dict[str, float], wall: float | None) -> dict[str, float]:
+    """`time/<phase>`, `time/step` (the wall clock when phases overlapped, else their sum) and
+    `time/overlap` (seconds the learner and the generation both ran)."""
+    times = {f"time/{k}": seconds.get(k, 0.0) for k in PHASES}
+    times["time/step"] = wall if wall is not None else sum(times.values())
+    times["time/overlap"] = seconds.get("overlap", 0.0)
+    return times
+
+
+def metric_rows(step: int, gen: Generated, stats: dict[str, dict[str, float]], signal: SignalReport,
+                ratings: dict[str, dict[str, float]], members: dict[str, list[str]], single: bool,
+                shared: dict[str, float]) -> list[dict]:
+    """One metrics row per member that played the step or is alive (docs/design.md §4.4);
+    `shared`: the columns every row of the step carries."""
+    teachers, students = members["teachers"], members["students"]
+    by_teacher, by_student = defaultdict(list), defaultdict(list)
+    for p, r, w in zip(gen.proposals, gen.teacher_rewards, gen.work):
+        by_teacher[p.teacher].append((p, r, w))
+    for r in gen.rollouts:
+        by_student[r.student].append(r)
     # members that left this step still get their last row (they played it)
-    played = list(dict.fromkeys(list(matches) + list(matches.values()) + teachers + students))
-    metrics = []
+    played = list(dict.fromkeys(list(gen.matches) + list(gen.matches.values()) + teachers + students))
+    rows = []
     for m in played:
-        rating = ratings.get(m, {})
+        rating, learner = ratings.get(m, {}), stats.get(m, {})
         roles = [r for r, group in (("teacher", by_teacher), ("student", by_student)) if m in group]
         tp, sr = by_teacher.get(m, []), by_student.get(m, [])
-        metrics.append({
+        rows.append({
             "step": step, "member": m,
             "role": "agent" if single else ("teacher" if m in by_teacher or m in teachers else "student"),
             "alive": m in teachers or m in students, "roles_played": ",".join(roles),
@@ -444,28 +472,28 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "student/solve_rate": float(np.mean([r.correct for r in sr])) if sr else None,
             "student/malformed_rate": float(np.mean([r.malformed for r in sr])) if sr else None,
             "student/reward": float(np.mean([r.reward for r in sr])) if sr else None,
-            "learner/loss": stats.get(m, {}).get("loss"), "learner/grad_norm": stats.get(m, {}).get("grad_norm"),
-            "learner/update_norm": stats.get(m, {}).get("update_norm"),
+            "learner/loss": learner.get("loss"), "learner/grad_norm": learner.get("grad_norm"),
+            "learner/update_norm": learner.get("update_norm"),
             "learner/signal_share": signal.by_member.get(m),
-            "learner/staleness": stats.get(m, {}).get("staleness"),
-            "learner/is_weight_mean": stats.get(m, {}).get("is_weight_mean"),
-            "learner/is_truncated_frac": stats.get(m, {}).get("is_truncated_frac"),
-            "learner/kl_to_base": stats.get(m, {}).get("kl_to_base"),
-            "pipeline/dropped_samples": dropped,
+            "learner/staleness": learner.get("staleness"),
+            "learner/is_weight_mean": learner.get("is_weight_mean"),
+            "learner/is_truncated_frac": learner.get("is_truncated_frac"),
+            "learner/kl_to_base": learner.get("kl_to_base"),
+            "pipeline/dropped_samples": shared["pipeline/dropped_samples"],
             "population/trueskill_mu": rating.get("mu"), "population/trueskill_sigma": rating.get("sigma"),
-            "population/conservative": rating.get("conservative"), "population/coverage": len(ctx.coverage),
-            **times,
+            "population/conservative": rating.get("conservative"),
+            **{k: v for k, v in shared.items() if k != "pipeline/dropped_samples"},
         })
-    ctx.run.append("metrics", metrics)
-    ctx.telemetry.publish(step, metrics, {**ctx.seconds, "step": times["time/step"]})
-    ctx.trackers.log(step, metrics)
-    ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in teachers else "student", **r}
-                               for m, r in ratings.items()])
-    task_rows = []
-    for p, r, h, w, rate in zip(proposals, teacher_rewards, hashes, gen.work, gen.proposal_rates):
+    return rows
+
+
+def task_rows(step: int, gen: Generated, hashes: list[str | None]) -> list[dict]:
+    """One tasks row per proposal (docs/design.md §4.7)."""
+    rows = []
+    for p, r, h, w, rate in zip(gen.proposals, gen.teacher_rewards, hashes, gen.work, gen.proposal_rates):
         cx = complexity(p.task.program) if p.task is not None else {}
-        task_rows.append({
-            "step": step, "teacher": p.teacher, "student": matches[p.teacher], "task_type": p.task_type,
+        rows.append({
+            "step": step, "teacher": p.teacher, "student": gen.matches[p.teacher], "task_type": p.task_type,
             "valid": p.valid, "reason": p.reason, "completion": p.text, "program": p.program, "input": p.input,
             "output": p.task.output if p.task else None, "inputs": list(p.inputs),
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
@@ -474,10 +502,13 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
             "ast_hash": h, "program_source": p.source, "copy_of": p.copy_of, "copy_exact": p.exact_copy,
             "structure": w.structure, "structure_nodes": w.nodes, "trivial": w.trivial, "repeat_of": w.repeat_of,
         })
-    ctx.run.append("tasks", task_rows)
-    updates = ctx.cfg.population.recovery_updates
-    recovery.track(ctx.run.open_lineage(), metrics, updates)  # earlier children
-    ctx.run.append("lineage", [{
+    return rows
+
+
+def lineage_rows(events: list[tuple[Replacement, dict]], metrics: list[dict]) -> list[dict]:
+    """One lineage row per child born this step, with its probe at birth and the start of
+    its recovery record (`driver.recovery`)."""
+    return [{
         "step": e.step, "role": e.role, "child": e.child, "replaced": e.dead, "parents": list(e.parents),
         "operator": e.operator, "params": json.dumps(e.params), "parent_scores": list(e.parent_scores),
         "replaced_score": e.dead_score, "seed": e.seed, "probe": probe["probe"],
@@ -485,14 +516,18 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
         "probe_student": probe.get("probe_student"), "parent_probe_reward": probe.get("parent_probe_reward"),
         "child_probe_reward": probe.get("child_probe_reward"),
         **recovery.birth_fields(e.role, e.parents[0], metrics),
-    } for e, probe in events])
-    ctx.run.flush(step, keep_open=recovery.still_open(updates, set(teachers) | set(students)))
-    work = collapse.figures(proposals, gen.work)
-    summary = {
+    } for e, probe in events]
+
+
+def step_summary(gen: Generated, signal: SignalReport, replaced: int, dropped: int,
+                 times: dict[str, float]) -> dict[str, float]:
+    """The step line's figures (the progress bar and `train`'s return value)."""
+    proposals, rollouts, teacher_rewards = gen.proposals, gen.rollouts, gen.teacher_rewards
+    return {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
         "novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p in proposals])) if proposals else 0.0,
         "copy_rate": copy_rate(proposals) or 0.0,
-        **{k: v for k, v in work.items()},
+        **collapse.figures(proposals, gen.work),
         "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
         "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
@@ -500,12 +535,8 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
         **{f"signal_rows_{role}": signal.rows_by_role.get(role, 0) for role in ("teacher", "student")},
         **{f"signal_nonzero_{role}": round(signal.by_role.get(role, 0.0) * signal.rows_by_role.get(role, 0))
            for role in ("teacher", "student")},
-        "tasks": len(gen.tasks), "replaced": len(events), "dropped_samples": dropped, **times,
+        "tasks": len(gen.tasks), "replaced": replaced, "dropped_samples": dropped, **times,
     }
-    ctx.summaries.append(summary)
-    ctx.low_signal.observe(step, signal)
-    ctx.collapse_watch.observe(step, work)
-    return summary
 
 
 # ---- the job ---------------------------------------------------------------------------
