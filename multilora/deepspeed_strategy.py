@@ -26,6 +26,10 @@ Known differences, unverified on GPU (no GPU nor deepspeed where this was writte
 - clipping is DeepSpeed's global `gradient_clipping` over all adapters: ZeRO-2 clips
   inside its fused step and exposes no per-group hook; per-adapter clipping holds on
   the torch strategy only;
+- one pass an update and no KL anchor to the base (`learner.epochs` > 1 and
+  `learner.teacher_kl_coef` > 0 are refused by the config check with this strategy);
+- an adapter whose rows all have advantage 0 still takes AdamW's step (its moments decay
+  and weight decay applies), where the torch strategy skips it;
 - `reset_optimizer` and `reload_weights` reach into DeepSpeed's ZeRO-1/2 optimizer
   (`single_partition_of_fp32_groups`, `_restore_from_bit16_weights`), attributes of
   deepspeed 0.14-0.16 that may move in other versions.

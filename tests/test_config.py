@@ -188,3 +188,9 @@ def test_the_learner_config_is_the_trainers_settings():
     from driver.config import LearnerConfig
 
     assert TrainerSettings.of(LearnerConfig()) == TrainerSettings()
+
+
+@pytest.mark.parametrize("key", ["learner.teacher_kl_coef=0.2", "learner.epochs=2"])
+def test_what_the_deepspeed_strategy_lacks_is_refused_by_name(key):
+    with pytest.raises(ConfigError, match=key.split("=")[0]):
+        load_config(ROOT / "configs/test.yaml", ["learner.strategy=deepspeed", key])
