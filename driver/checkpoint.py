@@ -54,7 +54,7 @@ RECORDS = frozenset({
     "driver.records.Proposal",
     "driver.records.Rollout",
     "driver.collapse.WorkFlags",
-    "driver.loop.Generated",
+    "driver.loop.Experience",
 })
 
 _PLAIN = (type(None), bool, int, float, str, bytes)

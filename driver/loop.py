@@ -35,7 +35,7 @@ from driver.extraction import extract_answer, parse_proposal
 from driver.learning_signal import LowSignalWatch, SignalReport, signal_report
 from driver.logs import set_position
 from driver.prompts import answer_prefix, reply_format, student_prompt, teacher_prompt
-from driver.records import PHASES, Proposal, Rollout, Task, TrainingRow
+from driver.records import PHASES, SEED_TEACHER, Proposal, Rollout, Task, TrainingRow
 from driver.rewards import group_advantages, student_reward, teacher_reward
 from driver.run_dir import RunDir
 from driver.seeds import SEED_PROGRAMS
@@ -88,7 +88,7 @@ class StepContext:
 
 # ---- the step --------------------------------------------------------------------------
 @dataclass
-class Generated:
+class Experience:
     """Phases 1-3 of one step: its matches, proposals, valid tasks and rollouts, scored, not
     yet trained on. `version`: the learner version (updates applied) of the adapters that
     sampled them. `seconds`: the time of its match, propose and solve phases."""
@@ -110,22 +110,22 @@ class Generated:
         return proposal_rates(self.proposals, self.rates)
 
 
-def train_step(step: int, ctx: StepContext, pending: Generated | None = None) -> tuple[dict[str, float],
-                                                                                     Generated | None]:
-    """One step: generate (match, propose, solve) unless `pending` holds this step's samples
-    already, update, evolve. With `pipeline.max_staleness` >= 1 the next step's generation
+def train_step(step: int, ctx: StepContext, pending: Experience | None = None) -> tuple[dict[str, float],
+                                                                                     Experience | None]:
+    """One step: collect its experience (match, propose, solve) unless `pending` holds it
+    already, update, evolve. With `pipeline.max_staleness` >= 1 the next step's collection
     runs while the learner trains on this one's (`overlap`), and is returned for the next
     call; otherwise the second value is None."""
     cfg, actors = ctx.cfg, ctx.actors
     ctx.seconds = {}
     set_position(step=step)
     start = time.perf_counter()
-    gen = pending if pending is not None else generate(ctx, step)
-    ctx.seconds.update(gen.seconds)
+    exp = pending if pending is not None else collect(ctx, step)
+    ctx.seconds.update(exp.seconds)
     overlap = cfg.pipeline.max_staleness >= 1 and step < cfg.run.steps
     with ctx.phase("update"):
-        update_ref, signal, dropped = submit_update(ctx, gen)
-        following = generate(ctx, step + 1) if overlap else None  # samples from the adapters before this update
+        update_ref, signal, dropped = submit_update(ctx, exp)
+        following = collect(ctx, step + 1) if overlap else None  # samples from the adapters before this update
         stats = merge_stats(ray.get(update_ref))
         ctx.version += 1
         actors.sync(ctx.version)
@@ -137,11 +137,11 @@ def train_step(step: int, ctx: StepContext, pending: Generated | None = None) ->
     with ctx.phase("evolve"):
         events = evolve(ctx, step) if cfg.population.evolve_every and step % cfg.population.evolve_every == 0 else []
     wall = time.perf_counter() - start
-    summary = record_step(ctx, step, gen, stats, signal, events, dropped, wall if overlap else None)
+    summary = record_step(ctx, step, exp, stats, signal, events, dropped, wall if overlap else None)
     return summary, following
 
 
-def generate(ctx: StepContext, step: int) -> Generated:
+def collect(ctx: StepContext, step: int) -> Experience:
     """Match, propose, solve for `step`; its games are recorded (ratings) and its valid tasks
     enter the buffer before the next step's matches and proposals are made."""
     actors, seconds = ctx.actors, {}
@@ -166,7 +166,7 @@ def generate(ctx: StepContext, step: int) -> Generated:
         [(p.teacher, matches[p.teacher], rate) for p, rate in zip(proposals, by_proposal)])
     for t in tasks:
         ctx.buffer.add(t)
-    return Generated(step=step, version=ctx.version, matches=matches, proposals=proposals, tasks=tasks,
+    return Experience(step=step, version=ctx.version, matches=matches, proposals=proposals, tasks=tasks,
                      rollouts=rollouts, rates=rates, teacher_rewards=teacher_rewards, seconds=seconds,
                      work=collapse.flags(proposals, structures, repeats))
 
@@ -238,7 +238,7 @@ def propose_jobs(ctx: StepContext, jobs: list[tuple], step: int, greedy: bool = 
         reason = (p.error if p.error is not None else f"copy of {copies[i]}" if rejected
                   else None if valid else (v or {}).get("reason", "invalid"))
         c = out.completions[0]
-        source = ("seed" if refs[0].teacher == "seed" else "proposal") if task_type == "code_f" else "proposal"
+        source = ("seed" if refs[0].teacher == SEED_TEACHER else "proposal") if task_type == "code_f" else "proposal"
         proposals.append(Proposal(
             teacher=teacher, task_type=task_type, prompt_ids=out.prompt_ids, completion_ids=c.token_ids,
             text=pre + c.text, program=program, input=p.input, inputs=tuple(p.inputs), message=p.message,
@@ -300,16 +300,16 @@ def proposal_rates(proposals: list[Proposal], rates: list[float]) -> list[float 
     return out
 
 
-def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef], SignalReport, int]:
+def submit_update(ctx: StepContext, exp: Experience) -> tuple[list[ray.ObjectRef], SignalReport, int]:
     """Group-normalised advantages and the learner shards' update, submitted (not awaited).
 
     Also returns the step's signal shares (the fraction of training rows, per member, per
     role, overall, whose advantage is non-zero: the only rows that move an adapter) and the
     rows dropped because their member was replaced since they were sampled."""
-    proposals, rollouts, tasks = gen.proposals, gen.rollouts, gen.tasks
+    proposals, rollouts, tasks = exp.proposals, exp.rollouts, exp.tasks
     rows = [TrainingRow(member=p.teacher, role="teacher", task_type=p.task_type, prompt_ids=p.prompt_ids,
                         completion_ids=p.completion_ids, reward=reward, supplied=p.supplied, logprobs=p.logprobs)
-            for p, reward in zip(proposals, gen.teacher_rewards)]
+            for p, reward in zip(proposals, exp.teacher_rewards)]
     rows += [TrainingRow(member=r.student, role="student", task_type=tasks[r.task_index].task_type,
                          prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, reward=r.reward,
                          supplied=r.supplied, logprobs=r.logprobs) for r in rollouts]
@@ -320,11 +320,11 @@ def submit_update(ctx: StepContext, gen: Generated) -> tuple[list[ray.ObjectRef]
                            malformed_rollouts=sum(r.malformed for r in rollouts))
     temperature = ctx.cfg.tasks.temperature  # every training row is sampled at it (`sampling`)
     kl = {"teacher": ctx.cfg.learner.teacher_kl_coef, "student": 0.0}
-    samples = [TrainSample(row.member, row.prompt_ids, row.completion_ids, adv, row.supplied, gen.version,
+    samples = [TrainSample(row.member, row.prompt_ids, row.completion_ids, adv, row.supplied, exp.version,
                            row.logprobs, temperature, kl_coef=kl[row.role])
                for row, adv in zip(rows, advantages)]
     dropped = 0
-    if gen.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
+    if exp.version < ctx.version:  # sampled before an evolution event: a replaced member's rows go
         members = ctx.actors.population.members()
         alive = set(members["teachers"]) | set(members["students"])
         kept = [s for s in samples if s.adapter in alive]
@@ -397,7 +397,7 @@ def copy_rate(proposals: list[Proposal]) -> float | None:
     return float(np.mean([p.copy_of is not None for p in writes])) if writes else None
 
 
-def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, dict[str, float]],
+def record_step(ctx: StepContext, step: int, exp: Experience, stats: dict[str, dict[str, float]],
                 signal: SignalReport, events, dropped: int, wall: float | None) -> dict[str, float]:
     """Write the step's rows (metrics, ratings, tasks, lineage) and return its summary.
     `dropped`: rows of replaced members left out of the update; `wall`: the step's wall-clock
@@ -407,24 +407,24 @@ def record_step(ctx: StepContext, step: int, gen: Generated, stats: dict[str, di
     times = step_times(ctx.seconds, wall)
     # the learner refuses (and counts) samples older than pipeline.max_staleness versions
     dropped += int(sum(s.get("refused", 0.0) for s in stats.values()))
-    hashes = [ast_hash(p.program) if p.program else None for p in gen.proposals]
+    hashes = [ast_hash(p.program) if p.program else None for p in exp.proposals]
     # coverage: distinct ASTs among the novel valid programs the teachers wrote (code_f reuses
     # programs; a copy of a seed or a shown reference is not the teachers' work)
-    ctx.coverage.update(h for p, h in zip(gen.proposals, hashes)
+    ctx.coverage.update(h for p, h in zip(exp.proposals, hashes)
                         if p.valid and p.copy_of is None and p.task_type in novelty.WRITES_PROGRAM and h)
-    metrics = metric_rows(step, gen, stats, signal, ratings, members, ctx.cfg.population.mode == "single",
+    metrics = metric_rows(step, exp, stats, signal, ratings, members, ctx.cfg.population.mode == "single",
                           {"pipeline/dropped_samples": dropped, "population/coverage": len(ctx.coverage), **times})
     ctx.run.append("metrics", metrics)
     ctx.telemetry.publish(step, metrics, {**ctx.seconds, "step": times["time/step"]})
     ctx.trackers.log(step, metrics)
     ctx.run.append("ratings", [{"step": step, "member": m, "role": "teacher" if m in members["teachers"] else "student",
                                 **r} for m, r in ratings.items()])
-    ctx.run.append("tasks", task_rows(step, gen, hashes))
+    ctx.run.append("tasks", task_rows(step, exp, hashes))
     updates = ctx.cfg.population.recovery_updates
     recovery.track(ctx.run.open_lineage(), metrics, updates)  # earlier children
     ctx.run.append("lineage", lineage_rows(events, metrics))
     ctx.run.flush(step, keep_open=recovery.still_open(updates, set(members["teachers"]) | set(members["students"])))
-    summary = step_summary(gen, signal, len(events), dropped, times)
+    summary = step_summary(exp, signal, len(events), dropped, times)
     ctx.summaries.append(summary)
     ctx.low_signal.observe(step, signal)
     ctx.collapse_watch.observe(step, summary)  # its collapse figures: distinct share, program size
@@ -440,19 +440,19 @@ def step_times(seconds: dict[str, float], wall: float | None) -> dict[str, float
     return times
 
 
-def metric_rows(step: int, gen: Generated, stats: dict[str, dict[str, float]], signal: SignalReport,
+def metric_rows(step: int, exp: Experience, stats: dict[str, dict[str, float]], signal: SignalReport,
                 ratings: dict[str, dict[str, float]], members: dict[str, list[str]], single: bool,
                 shared: dict[str, float]) -> list[dict]:
     """One metrics row per member that played the step or is alive (docs/design.md §4.4);
     `shared`: the columns every row of the step carries."""
     teachers, students = members["teachers"], members["students"]
     by_teacher, by_student = defaultdict(list), defaultdict(list)
-    for p, r, w in zip(gen.proposals, gen.teacher_rewards, gen.work):
+    for p, r, w in zip(exp.proposals, exp.teacher_rewards, exp.work):
         by_teacher[p.teacher].append((p, r, w))
-    for r in gen.rollouts:
+    for r in exp.rollouts:
         by_student[r.student].append(r)
     # members that left this step still get their last row (they played it)
-    played = list(dict.fromkeys(list(gen.matches) + list(gen.matches.values()) + teachers + students))
+    played = list(dict.fromkeys(list(exp.matches) + list(exp.matches.values()) + teachers + students))
     rows = []
     for m in played:
         rating, learner = ratings.get(m, {}), stats.get(m, {})
@@ -487,13 +487,13 @@ def metric_rows(step: int, gen: Generated, stats: dict[str, dict[str, float]], s
     return rows
 
 
-def task_rows(step: int, gen: Generated, hashes: list[str | None]) -> list[dict]:
+def task_rows(step: int, exp: Experience, hashes: list[str | None]) -> list[dict]:
     """One tasks row per proposal (docs/design.md §4.7)."""
     rows = []
-    for p, r, h, w, rate in zip(gen.proposals, gen.teacher_rewards, hashes, gen.work, gen.proposal_rates):
+    for p, r, h, w, rate in zip(exp.proposals, exp.teacher_rewards, hashes, exp.work, exp.proposal_rates):
         cx = complexity(p.task.program) if p.task is not None else {}
         rows.append({
-            "step": step, "teacher": p.teacher, "student": gen.matches[p.teacher], "task_type": p.task_type,
+            "step": step, "teacher": p.teacher, "student": exp.matches[p.teacher], "task_type": p.task_type,
             "valid": p.valid, "reason": p.reason, "completion": p.text, "program": p.program, "input": p.input,
             "output": p.task.output if p.task else None, "inputs": list(p.inputs),
             "outputs": list(p.task.outputs) if p.task else [], "message": p.message,
@@ -519,15 +519,15 @@ def lineage_rows(events: list[tuple[Replacement, dict]], metrics: list[dict]) ->
     } for e, probe in events]
 
 
-def step_summary(gen: Generated, signal: SignalReport, replaced: int, dropped: int,
+def step_summary(exp: Experience, signal: SignalReport, replaced: int, dropped: int,
                  times: dict[str, float]) -> dict[str, float]:
     """The step line's figures (the progress bar and `train`'s return value)."""
-    proposals, rollouts, teacher_rewards = gen.proposals, gen.rollouts, gen.teacher_rewards
+    proposals, rollouts, teacher_rewards = exp.proposals, exp.rollouts, exp.teacher_rewards
     return {
         "valid_rate": float(np.mean([p.valid for p in proposals])) if proposals else 0.0,
         "novel_valid_rate": float(np.mean([p.valid and p.copy_of is None for p in proposals])) if proposals else 0.0,
         "copy_rate": copy_rate(proposals) or 0.0,
-        **collapse.figures(proposals, gen.work),
+        **collapse.figures(proposals, exp.work),
         "solve_rate": float(np.mean([r.correct for r in rollouts])) if rollouts else 0.0,
         "teacher_reward": float(np.mean(teacher_rewards)) if teacher_rewards else 0.0,
         "signal_share": signal.overall, "signal_share_teacher": signal.by_role.get("teacher", 0.0),
@@ -535,7 +535,7 @@ def step_summary(gen: Generated, signal: SignalReport, replaced: int, dropped: i
         **{f"signal_rows_{role}": signal.rows_by_role.get(role, 0) for role in ("teacher", "student")},
         **{f"signal_nonzero_{role}": round(signal.by_role.get(role, 0.0) * signal.rows_by_role.get(role, 0))
            for role in ("teacher", "student")},
-        "tasks": len(gen.tasks), "replaced": replaced, "dropped_samples": dropped, **times,
+        "tasks": len(exp.tasks), "replaced": replaced, "dropped_samples": dropped, **times,
     }
 
 
@@ -573,7 +573,7 @@ def save_adapters(ctx: StepContext) -> None:
         save_adapter(ctx.run.adapter_dir(member), state, ctx.actors.spec, ctx.cfg.model.path)
 
 
-def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = None) -> float:
+def save_checkpoint(ctx: StepContext, step: int, pending: Experience | None = None) -> float:
     """Write checkpoint/ for the state after `step`; returns the seconds it took. `pending`:
     the next step's samples, generated while step `step` trained (pipeline.max_staleness >= 1);
     no call is in flight while this runs, so the checkpoint is a drained boundary."""
@@ -593,7 +593,7 @@ def save_checkpoint(ctx: StepContext, step: int, pending: Generated | None = Non
     return time.perf_counter() - start
 
 
-def restore_checkpoint(ctx: StepContext) -> tuple[int, Generated | None]:
+def restore_checkpoint(ctx: StepContext) -> tuple[int, Experience | None]:
     """Bring every actor and the driver back to the last checkpoint; returns its step and the
     next step's samples when they were generated before it was written."""
     step, parts, path = checkpoint.load_latest(ctx.run.path)
@@ -655,7 +655,7 @@ def train(cfg: Config, resume: Path | None = None,
                            repeats=collapse.RepeatRegistry(cfg.tasks.repeat_window))
 
     try:
-        pending: Generated | None = None  # the next step's samples, generated during the last update
+        pending: Experience | None = None  # the next step's samples, generated during the last update
         if resume:
             ctx = make_ctx(TaskBuffer({t: [] for t in cfg.tasks.types}, cfg.tasks.buffer_size))
             step, pending = restore_checkpoint(ctx)

@@ -26,7 +26,7 @@ import ast
 from collections.abc import Sequence
 from functools import lru_cache
 
-from driver.records import Task
+from driver.records import SEED_TEACHER, Task
 from driver.seeds import SEED_PROGRAMS
 from verifier_sandbox import ast_hash, structure_hash
 
@@ -65,7 +65,7 @@ def _seed_index() -> tuple[dict[str, str], dict[str, str]]:
 def _reference_name(ref: Task, position: int) -> str:
     """A shown reference, named by where it came from: a seed's number, or its teacher and step."""
     hashes, _ = _seed_index()
-    if ref.teacher == "seed":
+    if ref.teacher == SEED_TEACHER:
         return hashes.get(_hash(ref.program) or "", f"reference {position}")
     return f"reference {position} ({ref.teacher}, step {ref.step})"
 

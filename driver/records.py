@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # the phases of a step, in order (`time/<phase>` in metrics.parquet, docs/design.md §4.4)
 PHASES = ("match", "propose", "solve", "update", "evolve")
+# the `teacher` of a task made from a seed program: no member wrote it (not an RNG seed)
+SEED_TEACHER = "seed"
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class Task:
     outputs: tuple[str, ...] = ()
     message: str = ""
     shown: int = 0
-    teacher: str = "seed"
+    teacher: str = SEED_TEACHER
     step: int = -1
 
 

@@ -125,10 +125,10 @@ def _records():
 
 
 def test_records_and_rng_states_come_back_equal():
-    from driver.loop import Generated
+    from driver.loop import Experience
 
     task, proposal, rollout = _records()
-    pending = Generated(step=4, version=3, matches={"teacher-0": "student-1"}, proposals=[proposal], tasks=[task],
+    pending = Experience(step=4, version=3, matches={"teacher-0": "student-1"}, proposals=[proposal], tasks=[task],
                         rollouts=[rollout], rates=[0.5], teacher_rewards=[np.float64(0.25)], seconds={"propose": 1.5},
                         work=[WorkFlags("h", 7, False, None)])
     state = {
