@@ -19,7 +19,7 @@ from multilora.allocator import active as active_allocator
 from multilora.chat import ChatEngineMixin
 from multilora.generation import generate
 from multilora.model import LoraSpec, MultiLoraModel, check_model_dir, default_device, load_base_model
-from multilora.packing import PackedAdapters, unpack
+from multilora.bundle import AdapterBundle, unbundle
 from multilora.sampling import GenerationRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,13 @@ class InferenceServer:
     def sync_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         return self.engine.sync_adapters(adapters)
 
-    def sync_packed(self, *packed: PackedAdapters) -> list[str]:
-        """`sync_adapters` from `Learner.export_packed`: one buffer per learner shard through
+    def sync_bundle(self, *packed: AdapterBundle) -> list[str]:
+        """`sync_adapters` from `Learner.export_bundle`: one buffer per learner shard through
         the object store, together every adapter of the population (in name order, as one
         learner packs them)."""
         merged = {}
         for p in packed:
-            merged.update(unpack(p))
+            merged.update(unbundle(p))
         return self.engine.sync_adapters(dict(sorted(merged.items())))
 
     def generate(self, adapters: list[str], prompts: list[str], params: list[SamplingParams],

@@ -1,7 +1,7 @@
 """Learner: the frozen base plus every adapter; policy-gradient updates; evolution children.
 
 A thin Ray shell over `multilora.trainer.PolicyTrainer` (or, with `learner.strategy=
-deepspeed`, `multilora.deepspeed_strategy`) and `evolution.OPERATORS`. `export_packed`
+deepspeed`, `multilora.deepspeed_strategy`) and `evolution.OPERATORS`. `export_bundle`
 returns every adapter in one CPU buffer; the driver hands its ObjectRef to the inference
 server, so new weights reach it through the object store only.
 """
@@ -21,7 +21,7 @@ import torch
 from evolution import OPERATORS
 from multilora.allocator import active as active_allocator
 from multilora.model import LoraSpec, MultiLoraModel, check_model_dir, default_device, load_base_model
-from multilora.packing import PackedAdapters, pack
+from multilora.bundle import AdapterBundle, bundle
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,10 @@ class Learner:
     def export_adapters(self, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         return self.core.export_adapters(names)
 
-    def export_packed(self) -> PackedAdapters:
+    def export_bundle(self) -> AdapterBundle:
         """Every adapter in one flat buffer: what the sync to the inference server carries."""
         model = self.core.model
-        return pack({n: model.export_adapter(n, copy=False) for n in sorted(model.slot_of)})
+        return bundle({n: model.export_adapter(n, copy=False) for n in sorted(model.slot_of)})
 
     def update(self, samples: list[TrainSample], max_staleness: int = 0) -> dict[str, dict[str, float]]:
         return self.core.update(samples, max_staleness)

@@ -206,7 +206,7 @@ def importance_check(model: MultiLoraModel, vocab: int, rows: int, new_tokens: i
     without rounding. Keys: the mean and largest |w - 1| over completion tokens, and the
     share of tokens a cap of 2 would truncate."""
     from multilora.logprobs import token_logprobs
-    from multilora.trainer import importance_weights, pack_samples
+    from multilora.trainer import importance_weights, pad_samples
 
     prompts = random_ids(rows, 32, vocab, seed=7)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new_tokens, ignore_eos=True)
@@ -216,7 +216,7 @@ def importance_check(model: MultiLoraModel, vocab: int, rows: int, new_tokens: i
     rows_ = [TrainSample(n, p, o.completions[0].token_ids, 1.0, (), 0, o.completions[0].logprobs)
              for n, p, o in zip(names, prompts, out)]
     idx = list(range(len(rows_)))
-    packed = pack_samples(rows_, idx, PAD_ID)
+    packed = pad_samples(rows_, idx, PAD_ID)
     with torch.no_grad():
         logp = token_logprobs(model, packed, names)
     weights, _ = importance_weights(rows_, idx, logp, packed.completion_mask.to(logp.device), cap=1e9)

@@ -121,7 +121,7 @@ def engine_measures(cfg, reps: int, smoke: bool) -> dict:
 
     learners = {1: shards(1), 2: shards(2)}
     servers = {1: replicas(1), 2: replicas(2)}
-    packed = learners[1].export_packed()
+    packed = learners[1].export_bundle()
     for group in servers.values():
         group.sync(packed, 0)
     adapters, prompts, params, prefixes = propose_requests(cfg)

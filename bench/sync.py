@@ -4,7 +4,7 @@
 
 The real path in an embedded `ray.init`: a `Learner` actor and an "hf" `InferenceServer`
 actor on SmolLM2-135M-Instruct, 8 rank-16 adapters on every projection. One sync is
-`server.sync_packed.remote(learner.export_packed.remote())` waited on (what the training
+`server.sync_bundle.remote(learner.export_bundle.remote())` waited on (what the training
 loop does): the learner copies its adapters into one flat buffer, Ray puts it in the
 object store, the server resolves the ObjectRef and copies the views into its slots; the driver never holds the tensors and nothing
 touches a disk. `sync_ms_per_adapter` = median sync time / 8; `dict_sync_ms_per_adapter`
@@ -85,7 +85,7 @@ def main() -> None:
         actor_times, dict_times = [], []
         for _ in range(reps):  # interleaved: the two paths see the same machine noise
             start = time.perf_counter()
-            served = ray.get(server.sync_packed.remote(learner.export_packed.remote()))
+            served = ray.get(server.sync_bundle.remote(learner.export_bundle.remote()))
             actor_times.append(time.perf_counter() - start)
             assert sorted(served) == sorted(names), served
             start = time.perf_counter()
@@ -95,7 +95,7 @@ def main() -> None:
         export_times = []
         for _ in range(reps):
             start = time.perf_counter()
-            ray.wait([learner.export_packed.remote()], fetch_local=False)
+            ray.wait([learner.export_bundle.remote()], fetch_local=False)
             export_times.append(time.perf_counter() - start)
     finally:
         ray.shutdown()
@@ -126,7 +126,7 @@ def main() -> None:
         "model": model_name,
         "smoke": args.smoke,
         "inprocess_seconds": local_times,
-        "path": "Learner.export_packed -> ObjectRef -> InferenceServer.sync_packed (hf), no disk, "
+        "path": "Learner.export_bundle -> ObjectRef -> InferenceServer.sync_bundle (hf), no disk, "
                 "not through the driver",
     }
     write_result("sync", result)

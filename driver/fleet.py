@@ -11,7 +11,7 @@ The routing and sharding rules are plain functions (`route`, `assign_shards`,
 `Replicas` and `Shards` are the driver-side groups the training loop calls as it called
 one actor, each a thin loop over Ray handles.
 
-Adapters reach the replicas as one `PackedAdapters` object per shard in the object store:
+Adapters reach the replicas as one `AdapterBundle` object per shard in the object store:
 one put per shard, every replica reads the same objects (never a copy per replica through
 the driver). A replica's adapters change only in `sync`, which the driver calls between
 generation calls, never during one, so every row of a call samples from one version.
@@ -162,7 +162,7 @@ class Replicas:
         """Every replica serves exactly the adapters in `packed` (one object per learner
         shard), version `version`; returns when all hold them."""
         self.packed, self.version = list(packed), version
-        refs = [h.sync_packed.remote(*self.packed) for h in self.handles]
+        refs = [h.sync_bundle.remote(*self.packed) for h in self.handles]
         for r, ref in enumerate(refs):
             try:
                 ray.get(ref)
@@ -218,7 +218,7 @@ class Replicas:
         handle = self.make(r)
         self.incarnations[r] = ray.get(handle.ready.remote())
         if self.packed:
-            ray.get(handle.sync_packed.remote(*self.packed))
+            ray.get(handle.sync_bundle.remote(*self.packed))
         self.handles[r] = handle
         self.replaced += 1
 
@@ -266,9 +266,9 @@ class Shards:
         parts = split_by_shard(samples, lambda s: s.adapter, self.shard_of, len(self.handles))
         return [h.update.remote(part, max_staleness) for h, part in zip(self.handles, parts)]
 
-    def export_packed(self) -> list[ray.ObjectRef]:
+    def export_bundle(self) -> list[ray.ObjectRef]:
         """One packed object per shard, for `Replicas.sync`."""
-        return [h.export_packed.remote() for h in self.handles]
+        return [h.export_bundle.remote() for h in self.handles]
 
     def export_adapters(self) -> dict:
         merged = {}

@@ -93,7 +93,7 @@ class Actors:
     def sync(self, version: int) -> None:
         """Learner shards -> object store -> every replica: one packed object per shard,
         read by every replica; the tensors never visit the driver or a disk."""
-        self.inference.sync(self.learner.export_packed(), version)
+        self.inference.sync(self.learner.export_bundle(), version)
 
 
 def trainer_settings(cfg: Config) -> TrainerSettings:

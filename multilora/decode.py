@@ -24,7 +24,7 @@ What it does against a loop around `model.generate`-style forwards (the fallback
   looked up and checked at every step.
 - **Packed weights.** On a CPU with oneDNN (bf16 bases: with oneDNN bf16), the base's
   projections, LM head and the adapters' stacks are multiplied through copies reordered
-  once into oneDNN's layout (`multilora.packed`), not reordered on every call: in bf16 the
+  once into oneDNN's layout (`multilora.onednn`), not reordered on every call: in bf16 the
   same numbers, in fp32 oneDNN's instead of MKL's (summed in another order: ~1e-6 apart),
   faster in both. Projections
   that read the same input (q/k/v; gate/up) are one product each, base and LoRA factors
@@ -301,7 +301,7 @@ def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
     """`params.n` completions per request (`multilora.sampling.GenerationRequest`), as
     lists of `Completion` in request order; see the module docstring."""
     routing = model.routing
-    previous, routing.packed = routing.packed, True  # packed weights (`multilora.packed`)
+    previous, routing.packed = routing.packed, True  # packed weights (`multilora.onednn`)
     try:
         return _decode(model, tokenizer, requests, max_batch, generator)
     finally:

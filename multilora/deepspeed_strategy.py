@@ -47,7 +47,7 @@ import torch
 
 from multilora.logprobs import clipped_pg_loss, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
-from multilora.trainer import (TrainerSettings, TrainSample, importance_weights, micro_batches, pack_samples,
+from multilora.trainer import (TrainerSettings, TrainSample, importance_weights, micro_batches, pad_samples,
                                sampling_temperatures)
 
 
@@ -185,7 +185,7 @@ class DeepSpeedPolicyTrainer:
                 self.engine.backward(anchor)
                 continue
             adapters = [mine[i].adapter for i in idx]
-            packed = pack_samples(mine, idx, self.pad_id)
+            packed = pad_samples(mine, idx, self.pad_id)
             packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
                                                            packed.completion_mask)))
             with torch.no_grad():

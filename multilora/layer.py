@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from multilora import packed as packed_weights
+from multilora import onednn
 
 # The dense kernel computes all N slots for every token; it wins while the per-row
 # gather is not amortised over the row's tokens. One 576x576 layer, 8 slots of rank 16,
@@ -65,7 +65,7 @@ class Routing:
         # (one more adapter-sized copy per member, rebuilt after every update anyway)
         self.cache_stacks = True
         # True while the decode loop runs (`multilora.decode`): bf16 base weights and slot
-        # stacks go through prepacked oneDNN copies (`multilora.packed`); inference only
+        # stacks go through prepacked oneDNN copies (`multilora.onednn`); inference only
         self.packed = False
         self._slots: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
@@ -394,7 +394,7 @@ class PackedGroup:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each projection's output for `x` `[batch, tokens, in]` (one token per row where
         the group has factors: the dense or the segmented kernel)."""
-        out = packed_weights.linear(x, self.base, self.bias)
+        out = onednn.linear(x, self.base, self.bias)
         if self.segments is not None:
             gather, take, rows, m = self.segments
             xs = x.reshape(x.shape[0], x.shape[-1]).index_select(0, gather).view(self.a.shape[0], m, -1)
@@ -407,8 +407,8 @@ class PackedGroup:
                 flat[:, col:col + b.shape[2]].index_add_(0, rows, y, alpha=self.scaling)
                 col += b.shape[2]
         elif self.a is not None:
-            h = packed_weights.linear(x.reshape(x.shape[0], -1, x.shape[-1]), self.a) * self.mask
-            out.add_(packed_weights.linear(h, self.b).reshape(out.shape), alpha=self.scaling)
+            h = onednn.linear(x.reshape(x.shape[0], -1, x.shape[-1]), self.a) * self.mask
+            out.add_(onednn.linear(h, self.b).reshape(out.shape), alpha=self.scaling)
         return list(out.split(self.sizes, dim=-1))
 
 
@@ -441,7 +441,7 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
                 or len(m.lora_A) != len(first.lora_A) for m in modules):
             return None
     weights = [b.weight for b in bases]
-    if not all(packed_weights.supported(w) and w.dtype == dtype and not w.requires_grad for w in weights):
+    if not all(onednn.supported(w) and w.dtype == dtype and not w.requires_grad for w in weights):
         return None
     if len({b.bias is None for b in bases}) != 1:
         return None
@@ -449,7 +449,7 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
     if cache.get("weights") is None or any(a is not b for a, b in zip(cache["weights"], weights)):
         bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
         cache.clear()
-        cache.update(weights=weights, base=packed_weights.pack(torch.cat(weights) if len(weights) > 1 else weights[0]),
+        cache.update(weights=weights, base=onednn.prepack(torch.cat(weights) if len(weights) > 1 else weights[0]),
                      bias=bias)
     sizes = [w.shape[0] for w in weights]
     routing = modules[0].routing if is_lora else None
@@ -478,7 +478,7 @@ def group_plan(modules: list[nn.Module], dtype: torch.dtype, lora: bool = True) 
 
 
 def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
-    """`[m(x) for m in modules]` through packed weights (`multilora.packed`), for one
+    """`[m(x) for m in modules]` through packed weights (`multilora.onednn`), for one
     projection or several that read the same input (q/k/v, gate/up): one packed product
     for the base and, at one token per row, the LoRA terms of all modules at once, over the
     slots the batch uses only (a propose phase of 2 teachers in a population of 4 computes
@@ -487,7 +487,7 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
     `_packed_factors`; the dense kernel of `MultiLoraLinear`); with several in fp32, the
     segmented kernel (`_segment_factors`, `SEGMENTED`). None where it does not apply (then
     call the modules): decoding only (`Routing.packed`, no gradients), bf16 or fp32 weights
-    on a oneDNN CPU (`multilora.packed.supported`), the same routing, rank and scaling,
+    on a oneDNN CPU (`multilora.onednn.supported`), the same routing, rank and scaling,
     biases on all modules or on none.
 
     Prefill with adapters (several tokens per row): the fused base product, then each
@@ -502,7 +502,7 @@ def packed_group(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor
         return None
     if dense or not isinstance(modules[0], MultiLoraLinear) or modules[0].routing.slots is None:
         return plan(x)
-    out = packed_weights.linear(x, plan.base, plan.bias)  # prefill: the modules' own kernel for the LoRA term
+    out = onednn.linear(x, plan.base, plan.bias)  # prefill: the modules' own kernel for the LoRA term
     return [m.add_lora(x, part) for m, part in zip(modules, out.split(plan.sizes, dim=-1))]
 
 
@@ -550,11 +550,11 @@ def _packed_factors(stacks: list[tuple[torch.Tensor, torch.Tensor]], used: tuple
     a_cat = torch.cat([a.index_select(0, index).reshape(n_cols, -1) for a, _ in stacks])
     if _stacked(sizes):
         b_st = torch.cat([bt.index_select(0, index).reshape(n_cols, -1) for _, bt in stacks])  # [G U r, w]
-        return packed_weights.pack(a_cat), packed_weights.pack(b_st.T)
+        return onednn.prepack(a_cat), onednn.prepack(b_st.T)
     b_bd = torch.zeros(sum(sizes), len(stacks) * n_cols, dtype=a_cat.dtype, device=a_cat.device)
     row = 0
     for g, (_, bt) in enumerate(stacks):
         b_bd[row:row + sizes[g], g * n_cols:(g + 1) * n_cols] = bt.index_select(0, index).reshape(n_cols, -1).T
         row += sizes[g]
-    return packed_weights.pack(a_cat), packed_weights.pack(b_bd)
+    return onednn.prepack(a_cat), onednn.prepack(b_bd)
 

@@ -26,7 +26,7 @@ from multilora.model import MultiLoraModel
 
 
 @dataclass(frozen=True)
-class PackedBatch:
+class PaddedBatch:
     """Right-padded prompt+completion ids with a mask over completion tokens."""
 
     input_ids: torch.Tensor  # [batch, T]
@@ -35,8 +35,8 @@ class PackedBatch:
     prompt_lengths: tuple[int, ...] = ()  # per row (empty: unknown, no prompt sharing)
 
 
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
-         supplied: Sequence[Sequence[bool]] | None = None) -> PackedBatch:
+def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
+         supplied: Sequence[Sequence[bool]] | None = None) -> PaddedBatch:
     """Right-padded rows; `supplied[i][t]` True leaves completion token t of row i out of
     the completion mask (text the reply format supplied: context, never trained on)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -52,10 +52,10 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
             if len(supplied[i]) != len(c):
                 raise ValueError(f"row {i}: {len(supplied[i])} supplied flags for {len(c)} completion tokens")
             comp[i, len(p) - 1 : len(p) + len(c) - 1] -= torch.tensor(supplied[i], dtype=torch.float32)
-    return PackedBatch(ids, attn, comp, tuple(len(p) for p in prompts))
+    return PaddedBatch(ids, attn, comp, tuple(len(p) for p in prompts))
 
 
-def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str]) -> torch.Tensor:
+def token_logprobs(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str]) -> torch.Tensor:
     """log pi(token_{t+1} | tokens_<=t) for every position, [batch, T-1] (0 off-completion).
 
     Only completion positions go through the LM head, which keeps the [tokens, vocab]
@@ -68,7 +68,7 @@ def token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence
     return _token_logprobs(model, batch, adapters, None)[0]
 
 
-def token_logprobs_tempered(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+def token_logprobs_tempered(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str],
                             temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs`, and beside it, detached, the log-probs of the same tokens under each
     row's tempered policy softmax(logits / temperatures[row]) (a row's sampling temperature),
@@ -77,7 +77,7 @@ def token_logprobs_tempered(model: MultiLoraModel, batch: PackedBatch, adapters:
     return _token_logprobs(model, batch, adapters, temperatures)
 
 
-def _token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+def _token_logprobs(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str],
                     temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`, and with `temperatures` (per row) the tempered log-probs too."""
     # both layer-level passes read rows from position 0: right-padded rows, as `pack` makes
@@ -86,7 +86,7 @@ def _token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequenc
     layered = supports(model) and bool((mask[:, 1:] <= mask[:, :-1]).all())
     groups = _prompt_groups(batch, adapters) if layered else None
     device = model.device
-    batch = PackedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
+    batch = PaddedBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device),
                         batch.prompt_lengths)
     if temperatures is not None:
         temperatures = temperatures.to(device=device, dtype=torch.float32)
@@ -97,7 +97,7 @@ def _token_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequenc
     return _causal_logprobs(model, batch, adapters, temperatures)
 
 
-def _forward_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+def _forward_logprobs(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str],
                       temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through the model's own forward (any architecture)."""
     base = model.base
@@ -198,7 +198,7 @@ class _PickedLogprobs(torch.autograd.Function):
         return grad_logits, None
 
 
-def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int]] | None:
+def _prompt_groups(batch: PaddedBatch, adapters: Sequence[str]) -> list[list[int]] | None:
     """Rows of `batch` grouped by (adapter, prompt), in order of first appearance; None when
     no two rows share one (nothing to save) or the prompt lengths are unknown."""
     if len(batch.prompt_lengths) != len(adapters):
@@ -212,7 +212,7 @@ def _prompt_groups(batch: PackedBatch, adapters: Sequence[str]) -> list[list[int
     return list(groups.values())
 
 
-def _causal_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+def _causal_logprobs(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str],
                      temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of rows that share no prompt, in one causal pass through the layers
     (`llama_layers.Blocks`). The rows are right-padded, so causal attention alone keeps every
@@ -247,7 +247,7 @@ def _causal_pass(model: MultiLoraModel, blocks, ids: torch.Tensor, adapters: Seq
     return h
 
 
-def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: torch.Tensor | None = None,
+def _completion_logprobs(blocks, h: torch.Tensor, batch: PaddedBatch, begin: torch.Tensor | None = None,
                          temperatures: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[batch, T-1]` log-probs of the completion tokens from the last layer's hidden states
     `h` (`h[row, t - begin[row]]` is position `t` of the row; `begin`: 0 for every row by
@@ -260,7 +260,7 @@ def _completion_logprobs(blocks, h: torch.Tensor, batch: PackedBatch, begin: tor
     return _scatter(where, picked), _scatter(where, tempered)
 
 
-def _shared_prompt_logprobs(model: MultiLoraModel, batch: PackedBatch, adapters: Sequence[str],
+def _shared_prompt_logprobs(model: MultiLoraModel, batch: PaddedBatch, adapters: Sequence[str],
                             groups: list[list[int]], temperatures: torch.Tensor | None
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` with each group's shared prompt computed once.

@@ -249,7 +249,7 @@ class MultiLoraModel(nn.Module):
         their dtype).
 
         `copy=False` gives detached views of the live parameters instead, for a caller that
-        copies them right away (`packing.pack`); with a `dtype` other than the factors' it
+        copies them right away (`bundle.bundle`); with a `dtype` other than the factors' it
         gives converted copies."""
         slot = self.slot_of[name]
         state = {}

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from multilora import allocator
-from multilora.logprobs import PackedBatch, clipped_pg_loss, pack, token_logprobs, token_logprobs_tempered
+from multilora.logprobs import PaddedBatch, clipped_pg_loss, pad_batch, token_logprobs, token_logprobs_tempered
 from multilora.model import MultiLoraModel
 from multilora.settings import TrainerSettings
 
@@ -65,7 +65,7 @@ class TrainSample:
 
 def importance_weights(samples: Sequence[TrainSample], idx: Sequence[int], logp: torch.Tensor,
                        mask: torch.Tensor, cap: float) -> tuple[torch.Tensor | None, list[tuple[float, float, float]]]:
-    """Truncated importance weights of the rows `idx` (as `pack_samples` lays them out), and
+    """Truncated importance weights of the rows `idx` (as `pad_samples` lays them out), and
     per row (sum of the weights over its loss tokens, its loss tokens, the truncated ones).
 
         w_t = min(pi_T,learner(y_t) / pi_T,behaviour(y_t), cap)
@@ -160,9 +160,9 @@ def by_adapter(samples: Sequence[TrainSample], idx: Sequence[int]) -> list[int]:
     return sorted(idx, key=lambda i: first[samples[i].adapter])
 
 
-def pack_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int) -> PackedBatch:
+def pad_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int) -> PaddedBatch:
     """The rows `idx` of `samples`, packed with their loss masks (supplied tokens left out)."""
-    return pack([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], pad_id,
+    return pad_batch([samples[i].prompt_ids for i in idx], [samples[i].completion_ids for i in idx], pad_id,
                 [samples[i].supplied for i in idx])
 
 
@@ -272,7 +272,7 @@ class PolicyTrainer:
                         flat.grad.zero_()
                 for k, idx in enumerate(batches):
                     adapters = [samples[i].adapter for i in idx]
-                    packed = pack_samples(samples, idx, self.pad_id)
+                    packed = pad_samples(samples, idx, self.pad_id)
                     stale = epoch == 0 and any(samples[i].behaviour_logprobs for i in idx)
                     if stale:  # the learner's tempered log-probs too, from the same pass
                         logp, tempered = token_logprobs_tempered(self.model, packed, adapters,

@@ -162,7 +162,7 @@ def test_logprobs_are_the_tempered_policys(engine, tiny_model_path, adapter_keys
     (the behaviour policy of the learner's importance weights), not the raw policy's
     log softmax(z): compared with an fp32 learner holding the same adapter (the engine runs
     `model.dtype: auto`, bf16 where the CPU has it, hence the tolerance)."""
-    from multilora.logprobs import pack, token_logprobs_tempered
+    from multilora.logprobs import pad_batch, token_logprobs_tempered
 
     t = 0.5
     out = engine.generate(["a"], PROMPTS[:1], [SamplingParams(temperature=t, max_new_tokens=12, n=2)])[0]
@@ -170,7 +170,7 @@ def test_logprobs_are_the_tempered_policys(engine, tiny_model_path, adapter_keys
     learner.add_adapter("a", random_adapter(adapter_keys, 0))
     tempered_dev, raw_dev = [], []
     for c in out.completions:
-        packed = pack([out.prompt_ids], [c.token_ids], engine.tokenizer.pad_token_id or 0)
+        packed = pad_batch([out.prompt_ids], [c.token_ids], engine.tokenizer.pad_token_id or 0)
         with torch.no_grad():
             raw, tempered = token_logprobs_tempered(learner, packed, ["a"], torch.tensor([t]))
         start = len(out.prompt_ids) - 1

@@ -104,13 +104,13 @@ def _loss_backward(trainer: PolicyTrainer, samples, settings: TrainerSettings) -
     from collections import Counter
 
     from multilora.logprobs import clipped_pg_loss, token_logprobs
-    from multilora.trainer import micro_batches, pack_samples
+    from multilora.trainer import micro_batches, pad_samples
 
     rows_of = Counter(s.adapter for s in samples)
     trainer.model.train()
     for idx in micro_batches(samples, settings.micro_batch):
         adapters = [samples[i].adapter for i in idx]
-        packed = pack_samples(samples, idx, 0)
+        packed = pad_samples(samples, idx, 0)
         logp = token_logprobs(trainer.model, packed, adapters)
         adv = torch.tensor([samples[i].advantage for i in idx])
         per_seq, _ = clipped_pg_loss(logp, logp.detach(), adv, packed.completion_mask, settings.clip_eps)

@@ -12,7 +12,7 @@ from multilora.logprobs import token_logprobs, token_logprobs_tempered
 from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat
 from multilora.sampling import GenerationRequest, SamplingParams
-from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, importance_weights, pack_samples
+from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, importance_weights, pad_samples
 
 SPEC = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"))
@@ -42,7 +42,7 @@ def _sampled(model, tokenizer) -> list[TrainSample]:
 
 def _weights(model, samples, cap=2.0):
     idx = list(range(len(samples)))
-    packed = pack_samples(samples, idx, pad_id=0)
+    packed = pad_samples(samples, idx, pad_id=0)
     temps = torch.tensor([s.temperature for s in samples])
     with torch.no_grad():
         _, tempered = token_logprobs_tempered(model, packed, [s.adapter for s in samples], temps)
@@ -106,7 +106,7 @@ def test_weights_are_the_ratio_of_the_tempered_policies(lora_model, tiny_model_p
     model.invalidate()
     now = _full_logits(model, samples)
     (weights, _), mask = _weights(model, samples, cap=1e9)
-    packed, adapters = pack_samples(samples, list(range(len(samples))), pad_id=0), [s.adapter for s in samples]
+    packed, adapters = pad_samples(samples, list(range(len(samples))), pad_id=0), [s.adapter for s in samples]
     with torch.no_grad():  # the tempered pass leaves the loss's log-probs as they were
         logp, _ = token_logprobs_tempered(model, packed, adapters, torch.tensor([s.temperature for s in samples]))
         assert torch.equal(logp, token_logprobs(model, packed, adapters))

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from multilora.logprobs import pack, token_logprobs
+from multilora.logprobs import pad_batch, token_logprobs
 from multilora.model import LoraSpec
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, kl_to_base
 
@@ -17,7 +17,7 @@ ROWS = [((1, 2, 3), (4, 5, 6, 7)), ((1, 2), (6, 7, 8)), ((5, 6, 7, 8), (9, 10))]
 
 
 def _logp(model, adapters, bare=False):
-    packed = pack([p for p, _ in ROWS], [c for _, c in ROWS], 0)
+    packed = pad_batch([p for p, _ in ROWS], [c for _, c in ROWS], 0)
     with torch.no_grad():
         if bare:
             with model.bare():

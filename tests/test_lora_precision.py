@@ -97,9 +97,9 @@ def test_bf16_base_generates(bf16_model, tiny_model_path):
 def test_a_learners_no_grad_pass_caches_no_inference_stacks(bf16_model):
     """Old log-probs on a trainable model stack only the batch's slots (no cached copy of
     every slot: bench.memory's per-member growth), with the same result as the cached path."""
-    from multilora.logprobs import pack, token_logprobs
+    from multilora.logprobs import pad_batch, token_logprobs
 
-    packed = pack([(5, 6, 7)], [(8, 9)], 0)
+    packed = pad_batch([(5, 6, 7)], [(8, 9)], 0)
     bf16_model.set_trainable(False)
     with torch.no_grad():
         cached = token_logprobs(bf16_model, packed, ["a"])

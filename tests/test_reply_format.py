@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multilora.generation import generate
-from multilora.logprobs import pack, token_logprobs
+from multilora.logprobs import pad_batch, token_logprobs
 from multilora.model import LoraSpec
 from multilora.reply_format import ReplyFormat, supplied_mask
 from multilora.sampling import GenerationRequest, SamplingParams
@@ -77,17 +77,17 @@ def test_engine_logprobs_equal_the_learners(model, tokenizer):
         temperature=1.0, max_new_tokens=12, n=3, reply_format=fmt))],
         generator=torch.Generator().manual_seed(1))[0].completions
     for c in outs:
-        packed = pack([prompt], [c.token_ids], tokenizer.pad_token_id)
+        packed = pad_batch([prompt], [c.token_ids], tokenizer.pad_token_id)
         with torch.no_grad():
             learner = token_logprobs(model, packed, ["a"])[0, len(prompt) - 1:]
         assert torch.allclose(learner, torch.tensor(c.logprobs), atol=1e-4), (learner, c.logprobs)
 
 
 def test_pack_leaves_supplied_tokens_out_of_the_completion_mask():
-    packed = pack([(1, 2)], [(3, 4, 5)], 0, [(False, True, False)])
+    packed = pad_batch([(1, 2)], [(3, 4, 5)], 0, [(False, True, False)])
     assert packed.completion_mask.tolist() == [[0.0, 1.0, 0.0, 1.0]]
     with pytest.raises(ValueError, match="2 supplied flags for 3"):
-        pack([(1, 2)], [(3, 4, 5)], 0, [(False, True)])
+        pad_batch([(1, 2)], [(3, 4, 5)], 0, [(False, True)])
 
 
 def _update(model, tokenizer, samples):

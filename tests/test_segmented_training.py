@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from multilora import layer as layer_mod
-from multilora.logprobs import pack, token_logprobs
+from multilora.logprobs import pad_batch, token_logprobs
 from multilora.model import LoraSpec
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
 
@@ -33,7 +33,7 @@ def _batch(n_adapters: int):
             adapters.append(NAMES[i])
             prompts.append(ids[:p])
             completions.append(ids[p:])
-    return adapters, pack(prompts, completions, 0)
+    return adapters, pad_batch(prompts, completions, 0)
 
 
 def _pass(model, adapters, packed, segmented: bool, monkeypatch):
@@ -139,7 +139,7 @@ def test_runs_need_contiguous_rows():
 def test_interleaved_rows_take_the_gather_kernel(lora_model, monkeypatch):
     model = lora_model(SPEC, 4, NAMES[:3])
     model.set_trainable(True)
-    adapters, packed = ["m0", "m1", "m0", "m2"], pack([[5, 6, 7], [6, 7], [7, 8, 9], [9]],
+    adapters, packed = ["m0", "m1", "m0", "m2"], pad_batch([[5, 6, 7], [6, 7], [7, 8, 9], [9]],
                                                           [[8, 9], [10], [11, 12, 13], [14]], 0)
     calls = []
     monkeypatch.setattr(layer_mod.MultiLoraLinear, "_add_segmented", lambda self, *a: calls.append(1))

@@ -8,7 +8,7 @@ import torch
 
 from multilora import llama_layers
 from multilora import logprobs as logprobs_mod
-from multilora.logprobs import pack, token_logprobs
+from multilora.logprobs import pad_batch, token_logprobs
 from multilora.model import LoraSpec, MultiLoraModel
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, micro_batches
 
@@ -36,7 +36,7 @@ def _logprobs(model, shared: bool):
     """`shared`: `token_logprobs` (the prompt computed once); else the model's own forward
     over whole rows."""
     rows, supplied = _rows()
-    packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
+    packed = pad_batch([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
     adapters = [a for a, _, _ in rows]
     return packed, (token_logprobs(model, packed, adapters) if shared
                     else logprobs_mod._forward_logprobs(model, packed, adapters, None)[0])
@@ -44,7 +44,7 @@ def _logprobs(model, shared: bool):
 
 def test_shared_prompt_same_logprobs_and_gradients(lora_model):
     model = _model(lora_model)
-    assert logprobs_mod._prompt_groups(pack([p for _, p, _ in _rows()[0]], [c for _, _, c in _rows()[0]], 0),
+    assert logprobs_mod._prompt_groups(pad_batch([p for _, p, _ in _rows()[0]], [c for _, _, c in _rows()[0]], 0),
                                        [a for a, _, _ in _rows()[0]]) == [[0, 1, 2], [3, 4], [5], [6]]
     weights = torch.randn(7, 1, generator=torch.Generator().manual_seed(1))
     results = []
@@ -155,7 +155,7 @@ def test_causal_pass_is_the_models_forward(case, lora_model):
     rows = [("a", tuple(range(5, 17)), (50, 51, 52, 53)), ("b", tuple(range(30, 37)), (60,)),
             ("a", tuple(range(40, 49)), (61, 62, 63, 64, 65, 66)), ("b", (7, 8), (70, 71))]
     supplied = [(), (), (False, True, True, False, False, False), ()]
-    packed = pack([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
+    packed = pad_batch([p for _, p, _ in rows], [c for _, _, c in rows], 0, supplied)
     adapters = [a for a, _, _ in rows]
     assert logprobs_mod._prompt_groups(packed, adapters) is None  # token_logprobs takes the causal pass
     weights = torch.randn(len(rows), 1, generator=torch.Generator().manual_seed(1))
@@ -182,7 +182,7 @@ def test_left_padded_rows_take_the_models_forward(lora_model, monkeypatch):
     """The causal pass relies on right padding (`pack`); other padding runs the model's own
     forward with its mask."""
     model = _model(lora_model)
-    left = logprobs_mod.PackedBatch(  # the second row's 3 tokens after 3 pads
+    left = logprobs_mod.PaddedBatch(  # the second row's 3 tokens after 3 pads
         torch.tensor([[5, 6, 7, 8, 11, 12], [0, 0, 0, 9, 10, 13]]), torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]]),
         torch.tensor([[0, 0, 0, 1.0, 1.0], [0, 0, 0, 0, 1.0]]), ())
     monkeypatch.setattr(logprobs_mod, "_causal_logprobs", lambda *a: pytest.fail("causal pass on left padding"))

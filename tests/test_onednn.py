@@ -1,4 +1,4 @@
-"""Prepacked bf16 weights (`multilora.packed`): the same numbers as the plain products,
+"""Prepacked bf16 weights (`multilora.onednn`): the same numbers as the plain products,
 used by the decode loop only, never where gradients are needed."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from multilora import packed
+from multilora import onednn
 from multilora.generation import generate
 from multilora.layer import MultiLoraLinear, Routing, packed_group
 from multilora.sampling import GenerationRequest, SamplingParams
 from test_decode import SPEC
 
-needs_packing = pytest.mark.skipif(not packed.supported(torch.zeros(1, dtype=torch.bfloat16)),
+needs_packing = pytest.mark.skipif(not onednn.supported(torch.zeros(1, dtype=torch.bfloat16)),
                                    reason="no oneDNN bf16 on this CPU")
 
 
@@ -25,10 +25,10 @@ def test_packed_linear_is_the_linear(rows, with_bias):
     weight = torch.randn(48, 64, generator=g).to(torch.bfloat16)
     bias = torch.randn(48, generator=g).to(torch.bfloat16) if with_bias else None
     x = torch.randn(rows, 3, 64, generator=g).to(torch.bfloat16)
-    assert torch.equal(packed.linear(x, packed.pack(weight), bias), F.linear(x, weight, bias))
+    assert torch.equal(onednn.linear(x, onednn.prepack(weight), bias), F.linear(x, weight, bias))
 
 
-@pytest.mark.skipif(not packed.supported(torch.zeros(1, 1)), reason="no oneDNN in this torch build")
+@pytest.mark.skipif(not onednn.supported(torch.zeros(1, 1)), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("rows", [1, 16, 40])
 def test_packed_fp32_linear_is_the_linear_to_rounding(rows):
     """fp32: oneDNN's product on the packed copy against MKL's `F.linear`: the same sums in
@@ -36,7 +36,7 @@ def test_packed_fp32_linear_is_the_linear_to_rounding(rows):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     x = torch.randn(rows, 3, 64, generator=g)
-    assert torch.allclose(packed.linear(x, packed.pack(weight), bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(onednn.linear(x, onednn.prepack(weight), bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_weights_and_gradients_take_the_module():
@@ -86,12 +86,12 @@ def test_decode_packs_and_agrees_with_unpacked(tiny_model_path, lora_model, monk
     reqs = [GenerationRequest("ab"[i % 2], tuple(tokenizer(f"def f{i}(x): return x" + " * 2" * i)["input_ids"]),
                               SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)) for i in range(6)]
     calls = []
-    real = packed.linear
-    monkeypatch.setattr(packed, "linear", lambda *a: calls.append(1) or real(*a))
+    real = onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a: calls.append(1) or real(*a))
     fast = generate(m, tokenizer, reqs)
     assert calls, "the decode loop did not use packed weights"
     assert m.routing.packed is False  # set for the call only
-    monkeypatch.setattr(packed, "supported", lambda weight: False)
+    monkeypatch.setattr(onednn, "supported", lambda weight: False)
     plain = generate(m, tokenizer, reqs)
     rows = [(a.completions[0], b.completions[0]) for a, b in zip(fast, plain)]
     # bf16: the packed LoRA term rounds once more; every row agrees on its first token
@@ -171,7 +171,7 @@ def test_stacked_b_is_the_block_diagonal_one(widths, monkeypatch):
         assert torch.allclose(s.float(), m.float(), atol=0.05, rtol=0.02), (s - m).abs().max()
 
 
-@pytest.mark.skipif(not packed.supported(torch.zeros(1)), reason="no oneDNN on this CPU")
+@pytest.mark.skipif(not onednn.supported(torch.zeros(1)), reason="no oneDNN on this CPU")
 @pytest.mark.parametrize("slots", [[0, 1, 2, 2, 1, 0], [2, 2, 2, 0, 2, 1], [1, 1, 0, 1, 1, 1]])
 def test_segmented_kernel_is_the_dense_one(slots, monkeypatch):
     """Rows grouped by slot and padded to the largest group (`Routing.segments`) give each
@@ -201,7 +201,7 @@ def test_segmented_kernel_is_the_dense_one(slots, monkeypatch):
         for m in layers:
             m.base.to(torch.bfloat16)
             m.invalidate()
-        if packed.supported(torch.zeros(1, dtype=torch.bfloat16)):
+        if onednn.supported(torch.zeros(1, dtype=torch.bfloat16)):
             assert layer_mod.group_plan(layers, torch.bfloat16).segments is None
     for s, d, p in zip(segmented, dense, separate):
         assert torch.allclose(s, d, atol=1e-5, rtol=1e-5), (s - d).abs().max()

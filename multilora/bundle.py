@@ -1,4 +1,4 @@
-"""Adapters packed into one flat buffer for the trip through the Ray object store.
+"""Adapters bundled into one flat buffer for the trip through the Ray object store.
 
 A PEFT state dict of a 135M model holds 420 small tensors per adapter; pickling them one
 by one dominates a sync (see `bench.sync`, which measures both paths in one run), while
@@ -16,7 +16,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class PackedAdapters:
+class AdapterBundle:
     """Every adapter's tensors concatenated in one buffer of raw bytes.
 
     The buffer is a NumPy array because Ray hands NumPy arrays out of its object store
@@ -29,7 +29,7 @@ class PackedAdapters:
     index: tuple[tuple[str, str, tuple[int, ...], int], ...]  # (adapter, key, shape, element offset)
 
 
-def pack(adapters: dict[str, dict[str, torch.Tensor]]) -> PackedAdapters:
+def bundle(adapters: dict[str, dict[str, torch.Tensor]]) -> AdapterBundle:
     """One copy: every tensor (views are fine) concatenated, moved to the CPU."""
     tensors, index, offset = [], [], 0
     for name, state in adapters.items():
@@ -42,10 +42,10 @@ def pack(adapters: dict[str, dict[str, torch.Tensor]]) -> PackedAdapters:
         raise ValueError(f"adapters of mixed dtypes cannot be packed: {sorted(map(str, dtypes))}")
     dtype = dtypes.pop() if dtypes else torch.float32
     flat = torch.cat(tensors).to("cpu") if tensors else torch.empty(0, dtype=dtype)
-    return PackedAdapters(flat.view(torch.uint8).numpy(), str(dtype).removeprefix("torch."), tuple(index))
+    return AdapterBundle(flat.view(torch.uint8).numpy(), str(dtype).removeprefix("torch."), tuple(index))
 
 
-def unpack(packed: PackedAdapters) -> dict[str, dict[str, torch.Tensor]]:
+def unbundle(packed: AdapterBundle) -> dict[str, dict[str, torch.Tensor]]:
     """Views into the packed buffer (no copy): callers copy them into their own parameters."""
     with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; the views are only read
         warnings.simplefilter("ignore", UserWarning)

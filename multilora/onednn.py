@@ -61,7 +61,7 @@ def supported(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and _fp32_supported()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def prepack(weight: torch.Tensor) -> torch.Tensor:
     """The oneDNN-blocked copy of a `[out, in]` weight (see `supported`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _M_HINT)
 
