@@ -62,7 +62,7 @@ def _engine(cfg, model_path: str, spec, n_slots: int, threads: int, ray_address:
 def probe(view: Path, members: list[str], limit: int | None, threads: int, ray_address: str | None) -> int:
     """Writes view/probe.parquet; returns the number of rows."""
     from driver.config import load_config
-    from evaluation.probe import probe_tasks, run_probe
+    from evaluation.in_distribution import in_distribution_tasks, run_in_distribution
     from evaluation.runner import zero_adapter
     from multilora.embedded import resolve_model_path
     from multilora.model import LoraSpec
@@ -73,11 +73,11 @@ def probe(view: Path, members: list[str], limit: int | None, threads: int, ray_a
     spec = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules))
     states = ({m: load_adapter(view / "adapters" / m)[0] for m in members} if members
               else {"base": zero_adapter(model_path, spec)})
-    tasks = probe_tasks(cfg, limit, cfg.verifier.timeout_s)
+    tasks = in_distribution_tasks(cfg, limit, cfg.verifier.timeout_s)
     engine = _engine(cfg, model_path, spec, len(states), threads, ray_address)
     try:
         engine.sync_adapters(states)
-        results = run_probe(cfg, engine, list(states), tasks, cfg.verifier.timeout_s)
+        results = run_in_distribution(cfg, engine, list(states), tasks, cfg.verifier.timeout_s)
     finally:
         if hasattr(engine, "close"):
             engine.close()

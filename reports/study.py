@@ -5,7 +5,7 @@ A study spec names arms (a config plus `--set` overrides each), seeds and steps.
 `python -m driver train` in its own process (its own embedded Ray, its own memory), then
 evaluated by `python -m evaluation.held_out` in another process: the held-out
 benchmarks of `populora eval` (CodeI/O, HumanEval) and the in-distribution probe
-(`evaluation.probe`), greedy, the same problems for every run; the base model once,
+(`evaluation.in_distribution`), greedy, the same problems for every run; the base model once,
 under `studies/<name>/base/`. Finally `reports.study_report` writes `report/index.html` and
 `report/summary.json` from every run's tables.
 

@@ -52,7 +52,7 @@ class Arm:
 class EvalSpec:
     benchmarks: tuple[str, ...] = ("codeio", "humaneval")
     limit: int | None = 20  # at most this many problems per benchmark
-    probe: bool = True  # the in-distribution probe (evaluation.probe)
+    probe: bool = True  # the in-distribution probe (evaluation.in_distribution)
     probe_limit: int | None = None  # at most this many probe programs (each one task per type)
     roles: tuple[str, ...] = ("student", "agent")  # members evaluated (teachers are not asked to solve)
     max_new_tokens: int | None = None  # None: each benchmark's own budget

@@ -178,14 +178,14 @@ def test_evaluation_scores_are_paired_over_problems():
 
 # ---- the probe ---------------------------------------------------------------------------
 def test_probe_programs_are_held_out_and_valid():
-    from evaluation.probe import HOLDOUT_PROGRAMS, probe_tasks
+    from evaluation.in_distribution import HOLDOUT_PROGRAMS, in_distribution_tasks
     from driver.seeds import SEED_PROGRAMS
     from verifier_sandbox import ast_hash
 
     seeds = {ast_hash(s.program) for s in SEED_PROGRAMS}
     assert not [p for p, _, _ in HOLDOUT_PROGRAMS if ast_hash(p) in seeds]
     assert len({ast_hash(p) for p, _, _ in HOLDOUT_PROGRAMS}) == len(HOLDOUT_PROGRAMS)
-    tasks = probe_tasks(load_config(ROOT / "configs" / "local.yaml"), limit=3)
+    tasks = in_distribution_tasks(load_config(ROOT / "configs" / "local.yaml"), limit=3)
     assert [pid for pid, _ in tasks] == [f"probe/{i}/{t}" for t in ("code_i", "code_o", "code_f") for i in range(3)]
     code_f = [t for _, t in tasks if t.task_type == "code_f"]
     assert all(len(t.inputs) == 4 and len(t.outputs) == 4 and t.shown == 2 for t in code_f)

@@ -128,7 +128,7 @@ HOLDOUT_PROGRAMS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class InDistributionResult:
     """One member's greedy answer to one probe task."""
 
     member: str
@@ -138,7 +138,7 @@ class ProbeResult:
     reason: str
 
 
-def probe_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -> list[tuple[str, Task]]:
+def in_distribution_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -> list[tuple[str, Task]]:
     """(problem id, task) for the config's task types, at most `limit` per type, gold outputs
     from the sandbox. Programs whose gold output cannot be computed fail loudly: the set is
     fixed, so that is a broken sandbox, not a bad program."""
@@ -169,8 +169,8 @@ def probe_tasks(cfg: Config, limit: int | None = None, timeout_s: float = 5.0) -
     return tasks
 
 
-def run_probe(cfg: Config, engine, members: Sequence[str], tasks: list[tuple[str, Task]],
-              timeout_s: float = 5.0) -> list[ProbeResult]:
+def run_in_distribution(cfg: Config, engine, members: Sequence[str], tasks: list[tuple[str, Task]],
+              timeout_s: float = 5.0) -> list[InDistributionResult]:
     """Every member answers every task once, greedily, in one batched call of `engine`
     (the interface of `actors.inference.create_engine`; adapters already synced)."""
     from driver.extraction import extract_answer
@@ -187,11 +187,11 @@ def run_probe(cfg: Config, engine, members: Sequence[str], tasks: list[tuple[str
     for (member, pid, task), (_, prefix), out in zip(jobs, settings, outputs):
         answer = extract_answer(prefix + out.completions[0].text, cfg.tasks.require_answer_close, cfg.tasks.reasoning)
         if answer is None:
-            results.append(ProbeResult(member, pid, task.task_type, False, "malformed"))
+            results.append(InDistributionResult(member, pid, task.task_type, False, "malformed"))
             continue
         r = check_request(task, answer)
         verdict = check(r.task_type, r.program, r.answer, input=r.input, output=r.output,
                         inputs=list(r.inputs) if r.inputs is not None else None,
                         outputs=list(r.outputs) if r.outputs is not None else None, timeout_s=timeout_s)
-        results.append(ProbeResult(member, pid, task.task_type, verdict.correct, verdict.reason or ""))
+        results.append(InDistributionResult(member, pid, task.task_type, verdict.correct, verdict.reason or ""))
     return results
