@@ -710,6 +710,7 @@ def train(cfg: Config, resume: Path | None = None,
         save_adapters(ctx)
     finally:
         trackers.close()
+        Telemetry.close_current()  # its gauges stop being exported (another run may follow in this process)
         stop_actors(actors)
         if owns_ray:
             ray.shutdown()

@@ -39,10 +39,18 @@ def exported_metrics() -> set[str]:
 class Telemetry:
     """Gauges set once per step from the step's metrics rows (a no-op without Ray metrics).
 
-    They keep exporting the last step's values until the Telemetry is garbage (actors/metrics.py).
+    They keep exporting the last step's values until the Telemetry is closed: by the next one
+    made in this process (one run at a time exports: an earlier run's values, alive until
+    garbage, would otherwise be exported beside this run's under the same tags), or by
+    `close` when the run ends.
     """
 
+    _current: Telemetry | None = None
+
     def __init__(self) -> None:
+        if Telemetry._current is not None:
+            Telemetry._current.close()
+        Telemetry._current = self
         try:
             from actors.metrics import HeldGauge as Gauge  # kept exported between steps
 
@@ -56,6 +64,19 @@ class Telemetry:
             log.warning("Ray metrics unavailable (%s): the dashboard will lack training metrics", e)
             self.member, self.scalar = {}, {}
             self.phase = self.step = None
+
+    @classmethod
+    def close_current(cls) -> None:
+        """`close` the Telemetry this process exports now, if any (a run's end)."""
+        if cls._current is not None:
+            cls._current.close()
+            cls._current = None
+
+    def close(self) -> None:
+        """Stop exporting this run's values (its series leave the endpoint ~20 s later)."""
+        for gauge in [*self.member.values(), *self.scalar.values(), self.phase, self.step]:
+            if gauge is not None:
+                gauge.clear()
 
     def publish(self, step: int, rows: list[dict], seconds: dict[str, float]) -> None:
         if self.step is None:
