@@ -452,7 +452,7 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     pairs = ""
     if table.get("pairs"):
         pairs = html_table(["difference", "value [95% interval]"],
-                       [[name, _diff_cell(d)] for name, d in table["pairs"].items()])
+                           [[name, _diff_cell(d)] for name, d in table["pairs"].items()])
     return f"<h3>{escape(_title(key))}{extra}</h3>{note}{html_table(header, rows)}{pairs}"
 
 
