@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from multilora.logprobs import clipped_pg_loss, token_logprobs, token_logprobs_tempered
+from multilora.logprobs import token_logprobs
 from multilora.model import MultiLoraModel
-from multilora.trainer import (TrainerSettings, TrainSample, importance_weights, micro_batches, pad_samples,
-                               sampling_temperatures)
+from multilora.trainer import (Tally, TrainerSettings, TrainSample, UpdatePlan, by_adapter, micro_batches,
+                               pad_samples, policy_passes)
 
 
 def require_deepspeed():
@@ -99,7 +99,8 @@ def deepspeed_config(settings: TrainerSettings, ds: DeepSpeedSettings, world_siz
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": 1,
         "train_batch_size": settings.micro_batch * world_size,
-        "gradient_clipping": settings.max_grad_norm,
+        # off: the strategy clips each adapter by its own norm (`_hook_group_steps`)
+        "gradient_clipping": 0.0,
         "bf16": {"enabled": ds.bf16},
         "zero_optimization": zero,
         "optimizer": {
@@ -138,6 +139,10 @@ class DeepSpeedPolicyTrainer:
                        for s in range(model.n_slots)]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=self.groups, config=deepspeed_config(settings, ds, self.world))
+        self.stepping: set[int] = set()  # the slots with signal in the update being made
+        self.grad_norms: dict[int, float] = {}
+        self.update_norms: dict[int, float] = defaultdict(float)
+        self._hook_group_steps()
 
     # ---- optimizer state per adapter ------------------------------------------------
     def reset_optimizer(self, name: str) -> None:
@@ -161,50 +166,102 @@ class DeepSpeedPolicyTrainer:
         parameters themselves) into ZeRO's fp32 master partitions."""
         self.engine.optimizer._restore_from_bit16_weights()
 
+    # ---- the step of one adapter ---------------------------------------------------
+    def _hook_group_steps(self) -> None:
+        """Make ZeRO's step per adapter what the torch strategy's is. ZeRO-1/2 steps its
+        parameter groups one by one (`_optimizer_step(group)`, the group's fp32 gradient
+        partition then in `single_partition_of_fp32_groups[group].grad`, already reduced
+        over the ranks); the hook takes the group's gradient norm over all ranks' partitions
+        (one all-reduce), clips the group to `max_grad_norm` by its own norm (torch's
+        `clip_grad_norm_` rule), and skips the step of a slot whose adapter has no signal in
+        the update, so its weights and AdamW state stay as they were. DeepSpeed's own
+        `gradient_clipping` is off (`deepspeed_config`)."""
+        import torch.distributed as dist
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        zero = self.engine.optimizer
+        if not isinstance(zero, DeepSpeedZeroOptimizer):
+            raise TypeError(f"the DeepSpeed strategy needs ZeRO stage 1 or 2's optimizer, got {type(zero).__name__}")
+        step_group = zero._optimizer_step
+        max_norm = self.settings.max_grad_norm
+
+        def reduced_norm(t: torch.Tensor, group) -> float:
+            sq = t.detach().float().pow(2).sum().to(self.engine.device)
+            dist.all_reduce(sq, group=group)
+            return float(sq.sqrt())
+
+        def hooked(group_no: int) -> None:
+            master = zero.single_partition_of_fp32_groups[group_no]
+            dp_group = zero.real_dp_process_group[group_no]
+            norm = reduced_norm(master.grad, dp_group)
+            self.grad_norms[group_no] = norm
+            if group_no not in self.stepping:
+                return
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                master.grad.mul_(coef)
+            before = master.detach().clone()
+            step_group(group_no)
+            self.update_norms[group_no] += reduced_norm(before.sub_(master), dp_group)
+
+        zero._optimizer_step = hooked
+
     # ---- one update -----------------------------------------------------------------
     def update(self, samples: Sequence[TrainSample]) -> dict[str, dict[str, float]]:
-        """Same loss as `PolicyTrainer.update` (one epoch), summed over the ranks' shares."""
+        """`PolicyTrainer.update` on ZeRO: the same loss loop (`policy_passes`: every epoch,
+        the importance weights, the KL anchor), the same per-adapter clip and the same
+        skipped step of an adapter without signal; each rank computes `signal[rank::world]`
+        of the rows, and the stats are summed over the ranks, so every rank returns the
+        whole update's figures."""
+        import torch.distributed as dist
+
         samples = [s for s in samples if s.completion_ids]
         if not samples:
             return {}
-        rows_of: dict[str, int] = defaultdict(int)
-        for s in samples:
-            rows_of[s.adapter] += 1
-        mine = list(samples[self.rank::self.world])
-        batches = micro_batches(mine, self.settings.micro_batch) or [[]]
-        stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        device = self.engine.device
-        self.engine.train()
+        plan = UpdatePlan.of(samples)
+        stats = plan.stats()
+        if not plan.stepping:
+            return stats
+        mine = list(plan.signal[self.rank::self.world])
+        batches = [by_adapter(mine, idx) for idx in micro_batches(mine, self.settings.micro_batch)]
+        # every rank makes as many backward calls a pass: ZeRO-2 reduces gradients in
+        # buckets during backward, a collective every rank must join
+        count = torch.tensor([len(batches)], device=self.engine.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        batches += [[]] * (int(count) - len(batches))
         every_param = [p for group in self.groups for p in group["params"]]
-        for k, idx in enumerate(batches):
-            self.engine.set_gradient_accumulation_boundary(k == len(batches) - 1)
-            # ZeRO-2 reduces gradients in buckets during backward: every rank must produce a
-            # gradient for every parameter, also those of adapters absent from its rows
+        self.stepping = {self.model.slot_of[name] for name in plan.stepping}
+        self.grad_norms = {}
+        self.update_norms = defaultdict(float)
+        position = [0]
+
+        def backward(loss: torch.Tensor | None) -> None:
+            if loss is None:  # a micro-batch this rank has no rows for: a real pass of one row, weighted 0
+                row = plan.signal[:1]
+                loss = token_logprobs(self.model, pad_samples(row, [0], self.pad_id), [row[0].adapter]).sum() * 0.0
+            # every parameter gets a gradient (zero for adapters absent from this rank's rows)
             anchor = sum(p.sum() for p in every_param) * 0.0
-            if not idx:  # a rank with no rows still joins the collective step
-                self.engine.backward(anchor)
-                continue
-            adapters = [mine[i].adapter for i in idx]
-            packed = pad_samples(mine, idx, self.pad_id)
-            packed = type(packed)(*(t.to(device) for t in (packed.input_ids, packed.attention_mask,
-                                                           packed.completion_mask)))
-            with torch.no_grad():
-                old_logp, tempered = token_logprobs_tempered(self.model, packed, adapters,
-                                                             sampling_temperatures(mine, idx))
-            logp = token_logprobs(self.model, packed, adapters)
-            adv = torch.tensor([mine[i].advantage for i in idx], dtype=logp.dtype, device=device)
-            # rows sampled before the last update: truncated importance weights, as the torch trainer
-            w, _ = importance_weights(mine, idx, tempered, packed.completion_mask, self.settings.is_cap)
-            adv = adv if w is None else adv[:, None] * w
-            per_seq, _ = clipped_pg_loss(logp, old_logp, adv, packed.completion_mask, self.settings.clip_eps)
-            weights = torch.tensor([self.world / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=device)
-            self.engine.backward((per_seq * weights).sum() + anchor)
-            for row, a in enumerate(adapters):
-                stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a]
-        self.engine.step()
-        self.engine.eval()
-        self.model.invalidate()
-        for name, n in rows_of.items():
-            stats[name]["samples"] = float(n)
-            stats[name]["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        return {k: dict(v) for k, v in stats.items()}
+            self.engine.set_gradient_accumulation_boundary(position[0] == len(batches) - 1)
+            self.engine.backward(loss + anchor)
+            position[0] += 1
+
+        def step(epoch: int) -> None:
+            self.engine.step()
+            position[0] = 0
+
+        self.engine.train()
+        try:
+            tally = policy_passes(self.model, self.settings, self.pad_id, mine, batches, plan.rows_of, backward, step,
+                                  scale=float(self.world))
+        finally:
+            self.engine.eval()
+            self.model.invalidate()
+        names = sorted(plan.rows_of)
+        sums = tally.as_tensor(names).to(self.engine.device)
+        dist.all_reduce(sums)
+        stats = Tally.from_tensor(names, sums.cpu()).into(stats)
+        for name in plan.stepping:
+            slot = self.model.slot_of[name]
+            stats[name]["grad_norm"] = self.grad_norms.get(slot, 0.0)
+            stats[name]["update_norm"] = self.update_norms[slot]
+        return stats

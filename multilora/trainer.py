@@ -28,7 +28,7 @@ have advantage 0 still takes no step.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +166,161 @@ def pad_samples(samples: Sequence[TrainSample], idx: Sequence[int], pad_id: int)
                 [samples[i].supplied for i in idx])
 
 
+@dataclass
+class UpdatePlan:
+    """What both strategies read off an update's samples before computing anything.
+
+    `rows_of`: every adapter's row count (its loss is the mean over all of them, zero
+    rows included); `signal`: the rows with a non-zero advantage, the only ones computed
+    (a row with advantage 0 has exactly zero gradient: min(r*0, clip(r)*0) = 0, so an
+    adapter with signal steps exactly as if its zero rows had been computed); `stepping`:
+    the adapters with at least one such row, the only ones that take optimizer steps."""
+
+    rows_of: dict[str, int]
+    signal: list[TrainSample]
+    stepping: list[str]
+
+    @classmethod
+    def of(cls, samples: Sequence[TrainSample]) -> UpdatePlan:
+        rows_of: dict[str, int] = defaultdict(int)
+        for s in samples:
+            rows_of[s.adapter] += 1
+        signal = [s for s in samples if s.advantage != 0.0]
+        with_signal = {s.adapter for s in signal}
+        return cls(dict(rows_of), signal, [name for name in rows_of if name in with_signal])
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Every adapter's stats before the passes (zeros; `samples`, `stepped` set)."""
+        return {name: {"loss": 0.0, "grad_norm": 0.0, "update_norm": 0.0, "samples": float(n),
+                       "stepped": float(name in self.stepping), "clip_frac": 0.0}
+                for name, n in self.rows_of.items()}
+
+
+TALLY_FIELDS = ("loss", "clipped", "counted", "kl", "kl_rows", "is_weight", "is_tokens", "is_cut")
+
+
+@dataclass
+class Tally:
+    """Per adapter sums over an update's passes (`TALLY_FIELDS`): the loss, `clip_frac`'s
+    numerator and denominator, the KL to the base over its rows, the importance weights
+    over their tokens. Sums, so that ranks that each computed a share of the rows add up
+    (`as_tensor`, `from_tensor`)."""
+
+    sums: dict[str, dict[str, float]]
+
+    @classmethod
+    def empty(cls) -> Tally:
+        return cls(defaultdict(lambda: dict.fromkeys(TALLY_FIELDS, 0.0)))
+
+    def add(self, name: str, **values: float) -> None:
+        row = self.sums[name]
+        for key, value in values.items():
+            row[key] += value
+
+    def as_tensor(self, names: Sequence[str]) -> torch.Tensor:
+        return torch.tensor([[self.sums[n][f] if n in self.sums else 0.0 for f in TALLY_FIELDS] for n in names],
+                            dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, names: Sequence[str], values: torch.Tensor) -> Tally:
+        tally = cls.empty()
+        for name, row in zip(names, values.tolist()):
+            tally.sums[name] = dict(zip(TALLY_FIELDS, row))
+        return tally
+
+    def into(self, stats: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """`stats` with the tallied figures: `loss`, `clip_frac`, and `kl_to_base`,
+        `is_weight_mean`, `is_truncated_frac` where the adapter had rows of them."""
+        for name, t in self.sums.items():
+            stats[name]["loss"] = t["loss"]
+            stats[name]["clip_frac"] = t["clipped"] / t["counted"] if t["counted"] else 0.0
+            if t["kl_rows"]:
+                stats[name]["kl_to_base"] = t["kl"] / t["kl_rows"]
+            if t["is_tokens"]:
+                stats[name]["is_weight_mean"] = t["is_weight"] / t["is_tokens"]
+                stats[name]["is_truncated_frac"] = t["is_cut"] / t["is_tokens"]
+        return stats
+
+
+def policy_passes(model: MultiLoraModel, settings: TrainerSettings, pad_id: int, samples: Sequence[TrainSample],
+                  batches: Sequence[Sequence[int]], rows_of: dict[str, int],
+                  backward: Callable[[torch.Tensor | None], None], step: Callable[[int], None],
+                  scale: float = 1.0) -> Tally:
+    """The loss loop of one update, the same for every strategy: `settings.epochs` passes
+    over the micro-batches `batches` (indices of `samples`), each micro-batch's loss handed
+    to `backward` (which accumulates its gradient), `step(epoch)` after each pass (clip and
+    optimizer step; the gradients zeroed after it).
+
+    Per row: the clipped policy-gradient loss (`logprobs.clipped_pg_loss`), pi_old the first
+    pass's own log-probs, detached (ratio exactly 1 in that pass) and kept per micro-batch
+    for the later passes; rows sampled before the last update weighted by truncated
+    importance weights (`importance_weights`, fixed over the passes); a row with
+    `kl_coef > 0` plus its KL anchor to the base (`kl_to_base`, the base's log-probs once,
+    in the first pass). The loss is the mean over each adapter's `rows_of` rows, summed over
+    adapters, so every adapter's gradient has the same scale whatever its share of the
+    batch; `scale` multiplies it (a data-parallel strategy whose reduction averages over
+    ranks passes the world size). An empty micro-batch calls `backward(None)`: a rank with
+    fewer rows than the others keeps in step with their collectives."""
+    tally = Tally.empty()
+    old: dict[int, torch.Tensor] = {}
+    is_w: dict[int, torch.Tensor | None] = {}  # importance weights per micro-batch (None: all rows fresh)
+    base_logp: dict[int, torch.Tensor] = {}  # per micro-batch: the base policy's log-probs
+    for epoch in range(settings.epochs):
+        for k, idx in enumerate(batches):
+            if not idx:
+                backward(None)
+                continue
+            adapters = [samples[i].adapter for i in idx]
+            packed = pad_samples(samples, idx, pad_id)
+            stale = epoch == 0 and any(samples[i].behaviour_logprobs for i in idx)
+            if stale:  # the learner's tempered log-probs too, from the same pass
+                logp, tempered = token_logprobs_tempered(model, packed, adapters, sampling_temperatures(samples, idx))
+            else:
+                logp = token_logprobs(model, packed, adapters)
+            if epoch == 0:
+                old[k] = logp.detach()
+            adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
+            mask = packed.completion_mask.to(logp.device)
+            if epoch == 0:  # pi_old / pi_behaviour: fixed over the passes (decoupled from the clip)
+                is_w[k], per_row = importance_weights(samples, idx, tempered if stale else old[k], mask,
+                                                      settings.is_cap)
+                for (total, tokens, cut), a in zip(per_row, adapters):
+                    tally.add(a, is_weight=total, is_tokens=tokens, is_cut=cut)
+            token_adv = adv if is_w[k] is None else adv[:, None] * is_w[k]
+            per_seq, _ = clipped_pg_loss(logp, old[k], token_adv, mask, settings.clip_eps)
+            coef = [samples[i].kl_coef for i in idx]
+            if any(coef):
+                if epoch == 0:
+                    with torch.no_grad(), model.bare():
+                        base_logp[k] = token_logprobs(model, packed, adapters)
+                kl = kl_to_base(logp, base_logp[k], mask)
+                per_seq = per_seq + torch.tensor(coef, dtype=kl.dtype, device=kl.device) * kl
+                for row, a in enumerate(adapters):
+                    if coef[row]:
+                        tally.add(a, kl=float(kl[row].detach()), kl_rows=1.0)
+            if epoch:
+                count_clipped(logp.detach() - old[k], adv, mask, adapters, settings.clip_eps, tally)
+            weights = torch.tensor([scale / rows_of[a] for a in adapters], dtype=per_seq.dtype, device=per_seq.device)
+            backward((per_seq * weights).sum())
+            for row, a in enumerate(adapters):
+                tally.add(a, loss=float(per_seq[row].detach()) / rows_of[a] / settings.epochs)
+        step(epoch)
+    return tally
+
+
+def count_clipped(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, adapters: list[str],
+                  eps: float, tally: Tally) -> None:
+    """Add each row's clipped and completion tokens to its adapter's counts. A token is
+    clipped where min(r A, clip(r) A) takes the constant clip(r) A: r > 1 + eps with
+    A > 0, or r < 1 - eps with A < 0 (TRL's `clip_ratio`)."""
+    ratio, a = torch.exp(log_ratio), adv[:, None]
+    held = ((ratio > 1 + eps) & (a > 0)) | ((ratio < 1 - eps) & (a < 0))
+    per_row = (held * mask).sum(dim=1).tolist()
+    tokens = mask.sum(dim=1).tolist()
+    for row, name in enumerate(adapters):
+        tally.add(name, clipped=per_row[row], counted=tokens[row])
+
+
 class PolicyTrainer:
     def __init__(self, model: MultiLoraModel, settings: TrainerSettings, pad_id: int) -> None:
         self.model = model
@@ -218,106 +373,53 @@ class PolicyTrainer:
         self.optimizers.pop(name, None)
 
     def update(self, samples: Sequence[TrainSample]) -> dict[str, dict[str, float]]:
-        """One policy-gradient update of every adapter in `samples`; per-adapter stats
-        (`loss`, `grad_norm`, `update_norm`, `samples`; `stepped`: 1.0 when the adapter took
+        """One policy-gradient update of every adapter in `samples` (`policy_passes`, each
+        pass followed by a step of every adapter with signal, its gradient clipped to
+        `max_grad_norm` on its own); per-adapter stats (`loss`, `grad_norm` (before the
+        clip, of the last pass), `update_norm`, `samples`; `stepped`: 1.0 when the adapter took
         optimizer steps, 0.0 when none of its rows carried signal; `clip_frac`: the share of
         its completion tokens with signal, over the passes after the first, whose ratio left
         [1 - eps, 1 + eps] in its advantage's direction, where the clip zeroes the gradient;
-        0.0 with one epoch; `is_weight_mean`, `is_truncated_frac` over the loss tokens of its
-        rows with signal and behaviour log-probs, when it had any: `importance_weights`)."""
+        0.0 with one epoch; `kl_to_base` over its rows with a KL anchor; `is_weight_mean`,
+        `is_truncated_frac` over the loss tokens of its rows with signal and behaviour
+        log-probs, when it had any: `importance_weights`)."""
         samples = [s for s in samples if s.completion_ids]
         if not samples:
             return {}
-        rows_of: dict[str, int] = defaultdict(int)
-        for s in samples:
-            rows_of[s.adapter] += 1
-            if s.adapter not in self.optimizers:
-                self.reset_optimizer(s.adapter)
-        # A row with advantage 0 has exactly zero gradient (min(r*0, clip(r)*0) = 0), so it
-        # is never computed; it still counts in its adapter's mean (rows_of), so an adapter
-        # with signal steps exactly as if its zero rows had been computed.
-        samples = [s for s in samples if s.advantage != 0.0]
-        with_signal = {s.adapter for s in samples}
-        stepping = [name for name in rows_of if name in with_signal]
-        stats: dict[str, dict[str, float]] = {
-            name: {"loss": 0.0, "grad_norm": 0.0, "update_norm": 0.0, "samples": float(n),
-                   "stepped": float(name in stepping), "clip_frac": 0.0} for name, n in rows_of.items()}
-        if not stepping:
+        plan = UpdatePlan.of(samples)
+        for name in plan.rows_of:
+            if name not in self.optimizers:
+                self.reset_optimizer(name)
+        stats = plan.stats()
+        if not plan.stepping:
             return stats
         # each micro-batch's rows of one adapter side by side: the layers' segmented
         # kernel then applies each adapter's factors to its own rows in one product
-        batches = [by_adapter(samples, idx) for idx in micro_batches(samples, self.settings.micro_batch)]
-        # pi_old: the first pass's own log-probs, detached (ratio exactly 1 in that pass),
-        # kept per micro-batch for the later passes (same micro-batches, same rows)
-        old: list[torch.Tensor] = []
-        is_w: list[torch.Tensor | None] = []  # importance weights per micro-batch (None: all rows fresh)
-        weighted: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # weight sum, tokens, truncated
-        clipped: dict[str, float] = defaultdict(float)  # clip_frac's numerator and denominator
-        counted: dict[str, float] = defaultdict(float)
-        base_logp: dict[int, torch.Tensor] = {}  # per micro-batch: the base policy's log-probs
-        kl_sum: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # KL to base over rows, rows
+        batches = [by_adapter(plan.signal, idx) for idx in micro_batches(plan.signal, self.settings.micro_batch)]
         # each adapter's gradient is one flat tensor laid out like its slot buffer; its
         # factors' `.grad`s are views of it, which backward accumulates into in place
-        flats = {name: self.model.slot_buffer(name) for name in stepping}
+        flats = {name: self.model.slot_buffer(name) for name in plan.stepping}
         for name, flat in flats.items():
             self._follow(name, flat)
             flat.grad = torch.zeros_like(flat)
             for p, g in zip(self.model.adapter_parameters(name), self.model.split_like_adapter(flat.grad)):
                 p.grad = g
+
+        def step(epoch: int) -> None:
+            for name, flat in flats.items():
+                norm = torch.nn.utils.clip_grad_norm_([flat], self.settings.max_grad_norm)
+                stats[name]["grad_norm"] = float(norm)
+                before = flat.clone()
+                self.optimizers[name].step()
+                # the step's size, in the copy's own memory (no third adapter-sized tensor)
+                stats[name]["update_norm"] += float(torch.linalg.vector_norm(before.sub_(flat)))
+                if epoch + 1 < self.settings.epochs:
+                    flat.grad.zero_()
+
         try:
             self.model.train()
-            for epoch in range(self.settings.epochs):
-                if epoch:
-                    for flat in flats.values():
-                        flat.grad.zero_()
-                for k, idx in enumerate(batches):
-                    adapters = [samples[i].adapter for i in idx]
-                    packed = pad_samples(samples, idx, self.pad_id)
-                    stale = epoch == 0 and any(samples[i].behaviour_logprobs for i in idx)
-                    if stale:  # the learner's tempered log-probs too, from the same pass
-                        logp, tempered = token_logprobs_tempered(self.model, packed, adapters,
-                                                                 sampling_temperatures(samples, idx))
-                    else:
-                        logp = token_logprobs(self.model, packed, adapters)
-                    if epoch == 0:
-                        old.append(logp.detach())
-                    adv = torch.tensor([samples[i].advantage for i in idx], dtype=logp.dtype, device=logp.device)
-                    mask = packed.completion_mask.to(logp.device)
-                    if epoch == 0:  # pi_old / pi_behaviour: fixed over the passes (decoupled from the clip)
-                        w, per_row = importance_weights(samples, idx, tempered if stale else old[k], mask,
-                                                        self.settings.is_cap)
-                        is_w.append(w)
-                        for (total, tokens, cut), a in zip(per_row, adapters):
-                            weighted[a] = [x + y for x, y in zip(weighted[a], (total, tokens, cut))]
-                    token_adv = adv if is_w[k] is None else adv[:, None] * is_w[k]
-                    per_seq, _ = clipped_pg_loss(logp, old[k], token_adv, mask, self.settings.clip_eps)
-                    coef = [samples[i].kl_coef for i in idx]
-                    if any(coef):
-                        if epoch == 0:
-                            with torch.no_grad(), self.model.bare():
-                                base_logp[k] = token_logprobs(self.model, packed, adapters)
-                        kl = kl_to_base(logp, base_logp[k], mask)
-                        per_seq = per_seq + torch.tensor(coef, dtype=kl.dtype, device=kl.device) * kl
-                        for row, a in enumerate(adapters):
-                            if coef[row]:
-                                kl_sum[a][0] += float(kl[row].detach())
-                                kl_sum[a][1] += 1
-                    if epoch:
-                        self._count_clipped(logp.detach() - old[k], adv, mask, adapters, clipped, counted)
-                    # mean over each adapter's rows, summed over adapters: every adapter's
-                    # gradient has the same scale whatever its share of the batch
-                    weights = torch.tensor([1.0 / rows_of[a] for a in adapters], dtype=per_seq.dtype,
-                                           device=per_seq.device)
-                    (per_seq * weights).sum().backward()
-                    for row, a in enumerate(adapters):
-                        stats[a]["loss"] += float(per_seq[row].detach()) / rows_of[a] / self.settings.epochs
-                for name, flat in flats.items():
-                    norm = torch.nn.utils.clip_grad_norm_([flat], self.settings.max_grad_norm)
-                    stats[name]["grad_norm"] = float(norm)
-                    before = flat.clone()
-                    self.optimizers[name].step()
-                    # the step's size, in the copy's own memory (no third adapter-sized tensor)
-                    stats[name]["update_norm"] += float(torch.linalg.vector_norm(before.sub_(flat)))
+            tally = policy_passes(self.model, self.settings, self.pad_id, plan.signal, batches, plan.rows_of,
+                                  lambda loss: loss.backward(), step)
         finally:  # gradients are not needed between updates: free them (on an error too)
             for name, flat in flats.items():
                 flat.grad = None
@@ -328,25 +430,4 @@ class PolicyTrainer:
             # as much memory as the freed gradients (an adapter's size per member) back to
             # the kernel: an allocator that keeps freed blocks (TCMalloc) would hold them
             allocator.release_free_memory(sum(flat.numel() * flat.element_size() for flat in flats.values()))
-        for name, n in counted.items():
-            stats[name]["clip_frac"] = clipped[name] / n if n else 0.0
-        for name, (total, rows) in kl_sum.items():
-            stats[name]["kl_to_base"] = total / rows
-        for name, (total, tokens, cut) in weighted.items():
-            if tokens:
-                stats[name]["is_weight_mean"] = total / tokens
-                stats[name]["is_truncated_frac"] = cut / tokens
-        return stats
-
-    def _count_clipped(self, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, adapters: list[str],
-                       clipped: dict[str, float], counted: dict[str, float]) -> None:
-        """Add each row's clipped and completion tokens to its adapter's counts. A token is
-        clipped where min(r A, clip(r) A) takes the constant clip(r) A: r > 1 + eps with
-        A > 0, or r < 1 - eps with A < 0 (TRL's `clip_ratio`)."""
-        ratio, eps, a = torch.exp(log_ratio), self.settings.clip_eps, adv[:, None]
-        held = ((ratio > 1 + eps) & (a > 0)) | ((ratio < 1 - eps) & (a < 0))
-        per_row = (held * mask).sum(dim=1).tolist()
-        tokens = mask.sum(dim=1).tolist()
-        for row, name in enumerate(adapters):
-            clipped[name] += per_row[row]
-            counted[name] += tokens[row]
+        return tally.into(stats)
