@@ -22,14 +22,13 @@ What it does, against the torch strategy (`multilora.trainer.PolicyTrainer`):
   (a replaced member's state resets alone) and `reload_weights()` refreshes the fp32
   master copies after the model's adapters were overwritten (evolution, resume).
 
-Known differences, unverified on GPU (no GPU nor deepspeed where this was written):
-- clipping is DeepSpeed's global `gradient_clipping` over all adapters: ZeRO-2 clips
-  inside its fused step and exposes no per-group hook; per-adapter clipping holds on
-  the torch strategy only;
-- one pass an update and no KL anchor to the base (`learner.epochs` > 1 and
-  `learner.teacher_kl_coef` > 0 are refused by the config check with this strategy);
-- an adapter whose rows all have advantage 0 still takes AdamW's step (its moments decay
-  and weight decay applies), where the torch strategy skips it;
+The loss loop is the torch strategy's (`multilora.trainer.policy_passes`), each adapter is
+clipped by its own gradient norm and an adapter without signal takes no step (a hook on
+ZeRO's per-group step, `_hook_group_steps`). Checked against the torch strategy on a CPU
+(deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, fp32, 1 and 2 ranks); unverified on GPU and in bf16.
+The config check still refuses `learner.epochs` > 1 and `learner.teacher_kl_coef` > 0 with
+this strategy until a test covers them.
+
 - `reset_optimizer` and `reload_weights` reach into DeepSpeed's ZeRO-1/2 optimizer
   (`single_partition_of_fp32_groups`, `_restore_from_bit16_weights`), attributes of
   deepspeed 0.14-0.16 that may move in other versions.
