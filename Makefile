@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-unit test-slow bench bench-learning setup system-deps model clean-venv
-.PHONY: vllm test-backends
+.PHONY: vllm test-backends deepspeed
 
 run: setup
 	$(BIN)/populora train --config configs/local.yaml
@@ -74,6 +74,21 @@ $(VLLM_STAMP): $(STAMP)
 	touch $@
 
 # One conformance suite for both inference backends (hf and vllm) on the tiny model.
+# The deepspeed learner strategy on CPU (DS_ACCELERATOR=cpu): tests/test_deepspeed_strategy.py
+# checks it against the torch strategy when it is installed. It JIT-builds a comm op with g++.
+DS_STAMP := $(VENV)/.deepspeed-installed
+
+deepspeed: $(DS_STAMP)
+
+$(DS_STAMP): $(STAMP)
+	@command -v g++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq g++ >/dev/null; } \
+	  || echo "warning: no g++: deepspeed cannot build its CPU comm op"
+	$(BIN)/pip install --quiet deepspeed==0.19.8 torch==2.13.0
+	DS_ACCELERATOR=cpu $(BIN)/python -c "import torch, deepspeed; \
+	  assert torch.__version__ == '2.13.0+cpu', f'deepspeed replaced torch: {torch.__version__}'; \
+	  print('deepspeed', deepspeed.__version__, 'with torch', torch.__version__)"
+	touch $@
+
 test-backends: setup vllm
 	$(BIN)/python -m pytest -q tests/test_backends.py
 

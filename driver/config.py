@@ -377,10 +377,6 @@ def _validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)!r}")
-    if cfg.learner.strategy == "deepspeed" and (cfg.learner.teacher_kl_coef > 0 or cfg.learner.epochs > 1):
-        key = "learner.teacher_kl_coef" if cfg.learner.teacher_kl_coef > 0 else "learner.epochs"
-        raise ConfigError(f"{key}: the deepspeed strategy has no KL anchor and one pass an update; set it to "
-                          f"{0 if key.endswith('coef') else 1} or use learner.strategy torch")
     if cfg.ray.allocator not in allocator.SETTINGS and not Path(cfg.ray.allocator).is_file():
         raise ConfigError(f"ray.allocator: must be one of {', '.join(allocator.SETTINGS)} or the path of a "
                           f"shared library, got {cfg.ray.allocator!r}")

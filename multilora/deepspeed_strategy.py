@@ -25,9 +25,8 @@ What it does, against the torch strategy (`multilora.trainer.PolicyTrainer`):
 The loss loop is the torch strategy's (`multilora.trainer.policy_passes`), each adapter is
 clipped by its own gradient norm and an adapter without signal takes no step (a hook on
 ZeRO's per-group step, `_hook_group_steps`). Checked against the torch strategy on a CPU
-(deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, fp32, 1 and 2 ranks); unverified on GPU and in bf16.
-The config check still refuses `learner.epochs` > 1 and `learner.teacher_kl_coef` > 0 with
-this strategy until a test covers them.
+(deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, fp32, 1 and 2 ranks: tests/test_deepspeed_strategy.py);
+unverified on GPU and in bf16.
 
 - `reset_optimizer` and `reload_weights` reach into DeepSpeed's ZeRO-1/2 optimizer
   (`single_partition_of_fp32_groups`, `_restore_from_bit16_weights`), attributes of
