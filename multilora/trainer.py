@@ -321,6 +321,16 @@ def count_clipped(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
         tally.add(name, clipped=per_row[row], counted=tokens[row])
 
 
+def clip_grad_norm(param: torch.Tensor, max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` on one tensor, bit for bit, without its multiply by
+    1.0 when the norm is within `max_norm` (an adapter-sized pass per adapter and step);
+    returns the norm before the clip."""
+    norm = torch.nn.utils.get_total_norm([param.grad])
+    if float(max_norm / (norm + 1e-6)) < 1.0:
+        torch.nn.utils.clip_grads_with_norm_([param], max_norm, norm)
+    return float(norm)
+
+
 class PolicyTrainer:
     def __init__(self, model: MultiLoraModel, settings: TrainerSettings, pad_id: int) -> None:
         self.model = model
@@ -407,8 +417,8 @@ class PolicyTrainer:
 
         def step(epoch: int) -> None:
             for name, flat in flats.items():
-                norm = torch.nn.utils.clip_grad_norm_([flat], self.settings.max_grad_norm)
-                stats[name]["grad_norm"] = float(norm)
+                norm = clip_grad_norm(flat, self.settings.max_grad_norm)
+                stats[name]["grad_norm"] = norm
                 before = flat.clone()
                 self.optimizers[name].step()
                 # the step's size, in the copy's own memory (no third adapter-sized tensor)

@@ -225,3 +225,39 @@ def test_kernel_chosen_by_shape(monkeypatch):
     assert not layer_mod.segmented_training(cpu, 8, 8 * 64)  # one 64-token row a slot: gather
     monkeypatch.setattr(layer_mod, "SEGMENTED_TRAINING", False)
     assert not layer_mod.segmented_training(cpu, 1, 10_000)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_kernels_equal_a_float64_autograd_reference(segmented):
+    """Either kernel's gradients (to the input and to each used slot's factors) equal plain
+    autograd of `x W^T + b + s (x A_row^T) B_row^T` in float64; rows of one slot interleaved
+    with another's (the gather kernel then) or contiguous (the segmented one)."""
+    g = torch.Generator().manual_seed(3)
+    routing = layer_mod.Routing()
+    lin = torch.nn.Linear(24, 40)
+    layer = layer_mod.MultiLoraLinear(lin, 5, 4, 2.0, routing)
+    with torch.no_grad():
+        for p in list(layer.lora_A) + list(layer.lora_B):
+            p.copy_(torch.randn(p.shape, generator=g))
+    slots = [1, 3, 3, 4, 4, 4] if segmented else [3, 1, 3, 4, 1, 4]
+    routing.slots = torch.tensor(slots)
+    x0 = torch.randn(len(slots), 6, 24, generator=g)
+    w = torch.randn(len(slots), 6, 40, generator=g)
+    layer_mod.SEGMENTED_TRAINING = segmented
+    try:
+        x = x0.clone().requires_grad_(True)
+        (layer(x) * w).sum().backward()
+    finally:
+        layer_mod.SEGMENTED_TRAINING = True
+    assert (routing.runs() is not None) == segmented
+    xr = x0.double().requires_grad_(True)
+    factors = {s: (layer.lora_A[s].detach().double().requires_grad_(True),
+                   layer.lora_B[s].detach().double().requires_grad_(True)) for s in set(slots)}
+    rows = [xr[i] @ lin.weight.double().T + lin.bias.double()
+            + 2.0 * (xr[i] @ factors[s][0].T) @ factors[s][1].T for i, s in enumerate(slots)]
+    (torch.stack(rows) * w.double()).sum().backward()
+    assert _rel(x.grad, xr.grad) <= 1e-6
+    for s, (a, b) in factors.items():
+        assert _rel(layer.lora_A[s].grad, a.grad) <= 1e-6 and _rel(layer.lora_B[s].grad, b.grad) <= 1e-6
+        assert layer.lora_A[s].grad.dtype == torch.float32
+    assert all(layer.lora_A[s].grad is None for s in range(5) if s not in factors)

@@ -119,3 +119,16 @@ def test_loss_is_minus_the_mean_advantage_at_ratio_one(lora_model, epochs):
     stats = trainer.update([TrainSample("a", (1, 2, 3), (4, 5, 6), 1.0), TrainSample("a", (1, 2), (7, 8), 0.5),
                             TrainSample("a", (1, 2, 3), (9, 10), 0.0)])
     assert stats["a"]["loss"] == pytest.approx(-1.5 / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_clip_grad_norm_is_torchs_bit_for_bit(scale):
+    from multilora.trainer import clip_grad_norm
+
+    g = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * scale / 100
+    ours, theirs = (torch.zeros(10_000, requires_grad=True) for _ in range(2))
+    ours.grad, theirs.grad = g.clone(), g.clone()
+    norm = torch.nn.utils.clip_grad_norm_([theirs], 1.0)
+    assert clip_grad_norm(ours, 1.0) == float(norm)
+    assert torch.equal(ours.grad, theirs.grad)
+    assert torch.equal(ours.grad, g) == (float(norm) <= 1.0)  # clipped only above the bound
