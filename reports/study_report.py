@@ -7,14 +7,26 @@ baseline and to the no-learning control, and the training curves, one line per a
 
 What each arm's number is, per seed (then averaged over seeds):
 - training figures from `metrics.parquet`: the mean per step over members, then the mean
-  over the last third of the steps (valid rate, novel valid rate and copy rate where the run
-  has those columns, student solve rate, teacher reward); `population/coverage` and the
-  TrueSkill spread (the standard deviation of mu over the live members) at the last step;
-  program complexity (AST depth, cyclomatic complexity) of the valid proposals of each task
-  type over the last third, from `tasks.parquet` (code_f tasks on seed programs left out);
+  over the last third of the steps (valid rate, novel valid rate, copy rate, distinct share,
+  informative valid rate and program size where the run has those columns, student solve
+  rate, teacher reward); `population/coverage` and the TrueSkill spread (the standard
+  deviation of mu over the live members) at the last step; program complexity (AST depth,
+  cyclomatic complexity) of the valid proposals of each task type over the last third, from
+  `tasks.parquet` (code_f tasks on seed programs left out);
+- the complexity trend, a finding of its own: for each measure of
+  `verifier_sandbox.complexity` (`KEYS`), the mean over the valid teacher-written programs
+  (task types pooled, seed programs left out) of the last third of the steps minus that of
+  the first third; none for a run where a third has no such program. Each arm's mean over
+  seeds "rises" when its interval lies above 0, "falls" when below, else "not separable";
+  each population arm (neither baseline nor control) also gets its difference to the baseline;
 - evaluation scores from `study_eval/` (`evaluation.held_out`): greedy accuracy of each
   evaluated member on every held-out benchmark group and on the probe, then the population
   mean, the weakest and the best member. The base model is evaluated once.
+
+Figures: one line per arm (mean over seeds, band from the lowest to the highest seed) for each
+training figure above, the program-size figure with a reference line at the seed programs'
+mean size (AST nodes of what `f` executes, over the tasks on seed programs pooled over the
+study's runs; `seed_program_nodes` in summary.json), and the AST depth per task type.
 
 Intervals and differences: `reports.intervals` (seeds resampled; for evaluation scores also
 the problems, one draw shared by every arm). A difference is called larger than its interval
@@ -45,9 +57,10 @@ from reports import intervals
 from reports.html import Html, escape, head
 from reports.html import table as html_table
 from reports.study_spec import TRAINED, Study, runs_of, trained
+from verifier_sandbox.complexity import KEYS
 from verifier_sandbox.tasks import TASK_TYPES
 
-# (key, title, metrics.parquet column, y-axis label, bounds): last-third means and curves
+# (key, title, metrics.parquet column, y-axis label, bounds or None): last-third means and curves
 RATES = (
     ("valid_rate", "Valid-task rate", "teacher/valid_rate", "valid proposals (fraction)", (0.0, 1.0)),
     ("novel_valid_rate", "Novel valid-task rate", "teacher/novel_valid_rate", "valid, not a copy (fraction)",
@@ -55,12 +68,22 @@ RATES = (
     ("copy_rate", "Copy rate", "teacher/copy_rate", "copies (fraction of code_i / code_o proposals)", (0.0, 1.0)),
     ("solve_rate", "Student solve rate", "student/solve_rate", "correct rollouts (fraction)", (0.0, 1.0)),
     ("teacher_reward", "Teacher reward", "teacher/reward", "teacher reward (−1 … +1)", (-1.0, 1.0)),
+    ("distinct_share", "Distinct share", "teacher/distinct_share",
+     "distinct structures / valid code_i + code_o programs", (0.0, 1.0)),
+    ("informative_valid_rate", "Informative valid-task rate", "teacher/informative_valid_rate",
+     "informative valid proposals (fraction)", (0.0, 1.0)),
+    ("program_nodes", "Program size", "teacher/program_nodes",
+     "AST nodes of what f executes (valid code_i / code_o programs)", None),
 )
+PROGRAM_SIZE = "program_nodes"  # its figure gets the seed programs' reference line
 FINAL = (
     ("coverage", "Coverage", "distinct valid program ASTs (cumulative)"),
     ("trueskill_spread", "TrueSkill spread", "sd of μ over live members"),
 )
 COMPLEXITY = (("ast_depth", "AST depth"), ("cyclomatic", "cyclomatic complexity"))
+MEASURES = {"ast_depth": "AST depth", "cyclomatic": "cyclomatic complexity", "loc": "lines of code",
+            "n_variables": "variable count", "n_nodes": "AST node count"}
+SEED_SOURCE = "seed"  # `program_source` of a code_f task on a seed program (`driver.records.Proposal.source`)
 STATS: dict[str, Callable] = {"mean": np.mean, "weakest": np.min, "best": np.max}
 STYLE = {"font.size": 11, "axes.titlesize": 13, "legend.fontsize": 9, "axes.grid": True, "grid.alpha": 0.3,
          "savefig.dpi": 100, "savefig.bbox": "tight"}
@@ -86,8 +109,9 @@ def _number(v) -> bool:
 
 @dataclass
 class RunTables:
-    """One finished run: its curves (metric -> step -> value), its per-run figures, its
-    evaluation (score key -> member -> problem -> correct)."""
+    """One finished run: its curves (metric -> step -> value), its per-run figures (the
+    complexity trends as "trend/<measure>"), its evaluation (score key -> member -> problem ->
+    correct), and the AST node counts of its tasks on seed programs."""
 
     arm: str
     seed: int
@@ -97,6 +121,7 @@ class RunTables:
     scalars: dict[str, float] = field(default_factory=dict)
     scores: dict[str, dict[str, dict[str, bool]]] = field(default_factory=dict)
     train_seconds: float | None = None  # the steps' wall clock summed (`read_training`)
+    seed_nodes: list[float] = field(default_factory=list)
 
 
 def _last_third(curve: dict[int, float], steps: int) -> float | None:
@@ -105,10 +130,60 @@ def _last_third(curve: dict[int, float], steps: int) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], dict[str, float], float | None]:
-    """A run's curves, its last-third / last-step figures, and its training time: its steps'
-    wall clock (`time/step`) summed, so a run resumed after an interruption counts every
-    step once and no start-up or lost partial step."""
+def _written(tasks: list[dict]) -> list[dict]:
+    """The valid programs teachers wrote: code_f tasks on seed programs left out."""
+    return [t for t in tasks if t.get("valid") and t.get("program_source") != SEED_SOURCE]
+
+
+def complexity_trend(tasks: list[dict], steps: int) -> dict[str, float]:
+    """measure -> mean over the last third's written programs minus mean over the first
+    third's (task types pooled; the thirds of `_last_third`); a measure is missing where a
+    third has no such program."""
+    k = max(1, steps // 3)
+    written = _written(tasks)
+    trend = {}
+    for col in KEYS:
+        first = [float(t[col]) for t in written if _number(t.get(col)) and int(t["step"]) <= k]
+        last = [float(t[col]) for t in written if _number(t.get(col)) and int(t["step"]) > steps - k]
+        if first and last:
+            trend[col] = float(np.mean(last) - np.mean(first))
+    return trend
+
+
+def seed_nodes(tasks: list[dict]) -> list[float]:
+    """The size of the run's tasks on seed programs as `teacher/program_nodes` counts it (AST
+    nodes of what `f` executes: `structure_nodes`; the whole program's `n_nodes` in runs
+    from before that column)."""
+    seeds = [t for t in tasks if t.get("program_source") == SEED_SOURCE]
+    sizes = [t.get("structure_nodes") if _number(t.get("structure_nodes")) else t.get("n_nodes") for t in seeds]
+    return [float(x) for x in sizes if _number(x)]
+
+
+def _complexity(tasks: list[dict], steps: int) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """Per task type and measure of `COMPLEXITY`: the written programs' mean per step, and
+    their mean over the last third."""
+    curves, scalars = {}, {}
+    k = max(1, steps // 3)
+    for tt in TASK_TYPES:
+        written = [t for t in _written(tasks) if t.get("task_type") == tt]
+        for col, _ in COMPLEXITY:
+            by_step = defaultdict(list)
+            for t in written:
+                if _number(t.get(col)):
+                    by_step[int(t["step"])].append(float(t[col]))
+            if by_step:
+                curves[f"complexity/{tt}/{col}"] = {s: float(np.mean(v)) for s, v in sorted(by_step.items())}
+                late = [x for s, v in by_step.items() if s > steps - k for x in v]
+                if late:
+                    scalars[f"complexity/{tt}/{col}"] = float(np.mean(late))
+    return curves, scalars
+
+
+def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], dict[str, float], float | None,
+                                                   list[float]]:
+    """A run's curves, its last-third / last-step figures and complexity trends, its training
+    time (its steps' wall clock (`time/step`) summed, so a run resumed after an interruption
+    counts every step once and no start-up or lost partial step) and `seed_nodes`."""
     metrics, tasks = _run_rows(path, "metrics"), _run_rows(path, "tasks")
     curves: dict[str, dict[int, float]] = {}
     scalars: dict[str, float] = {}
@@ -136,25 +211,15 @@ def read_training(path: Path, steps: int) -> tuple[dict[str, dict[int, float]], 
     for key, _, _ in FINAL:
         if key in curves:
             scalars[key] = curves[key][max(curves[key])]
-    k = max(1, steps // 3)
-    for tt in TASK_TYPES:
-        written = [t for t in tasks
-                   if t.get("valid") and t.get("task_type") == tt and t.get("program_source") != "seed"]
-        for col, _ in COMPLEXITY:
-            by_step = defaultdict(list)
-            for t in written:
-                if _number(t.get(col)):
-                    by_step[int(t["step"])].append(float(t[col]))
-            if by_step:
-                curves[f"complexity/{tt}/{col}"] = {s: float(np.mean(v)) for s, v in sorted(by_step.items())}
-                late = [x for s, v in by_step.items() if s > steps - k for x in v]
-                if late:
-                    scalars[f"complexity/{tt}/{col}"] = float(np.mean(late))
+    more_curves, more_scalars = _complexity(tasks, steps)
+    curves.update(more_curves)
+    scalars.update(more_scalars)
+    scalars.update({f"trend/{col}": v for col, v in complexity_trend(tasks, steps).items()})
     step_seconds = {}
     for r in metrics:
         if _number(r.get("time/step")):
             step_seconds.setdefault(r["step"], r["time/step"])
-    return curves, scalars, round(sum(step_seconds.values()), 1) if step_seconds else None
+    return curves, scalars, round(sum(step_seconds.values()), 1) if step_seconds else None, seed_nodes(tasks)
 
 
 def read_scores(view: Path, who: str = "member") -> dict[str, dict[str, dict[str, bool]]]:
@@ -179,9 +244,9 @@ def load_runs(study: Study) -> list[RunTables]:
     for spec in runs_of(study):
         if not trained(spec.path, study.steps):
             continue
-        curves, scalars, seconds = read_training(spec.path, study.steps)
+        curves, scalars, seconds, nodes = read_training(spec.path, study.steps)
         runs.append(RunTables(spec.arm, spec.seed, spec.name, study.steps, curves, scalars,
-                              read_scores(spec.path / EVAL_DIR), seconds))
+                              read_scores(spec.path / EVAL_DIR), seconds, nodes))
     return runs
 
 
@@ -197,6 +262,50 @@ def verdict(diff: intervals.Estimate | None) -> str:
     if diff.n < 2:
         return "not judged (fewer than 2 seeds)"
     return "larger than its interval" if diff.detected else "no detectable difference"
+
+
+def trend_verdict(est: intervals.Estimate | None) -> str:
+    """`verdict`'s conventions for an arm's own trend: "rises" / "falls" when its interval lies
+    above / below 0, else "not separable"."""
+    if est is None or est.n < 2:
+        return verdict(est)
+    return "rises" if est.low > 0 else "falls" if est.high < 0 else "not separable"
+
+
+def trend_table(study: Study, runs: list[RunTables], col: str) -> dict[str, dict]:
+    """arm -> its seeds' complexity trends on measure `col`: the mean [95% interval] (seeds
+    resampled), `per_seed` (with `seeds`, and `missing_seeds` where a third had no program),
+    the verdict, and for a population arm `vs_baseline`."""
+    key, values, table = f"trend/{col}", {}, {}
+    for arm in study.arms:
+        mine = [r for r in runs if r.arm == arm.name]
+        have = [r for r in mine if key in r.scalars]
+        if not have:
+            continue
+        values[arm.name] = [r.scalars[key] for r in have]
+        est = intervals.bootstrap_mean(values[arm.name])
+        table[arm.name] = {**est.as_dict(), "per_seed": values[arm.name], "seeds": [r.seed for r in have],
+                           "verdict": trend_verdict(est)}
+        if len(have) < len(mine):
+            table[arm.name]["missing_seeds"] = [r.seed for r in mine if key not in r.scalars]
+    if study.baseline in values:
+        for arm, entry in table.items():
+            if arm not in (study.baseline, study.control):
+                entry["vs_baseline"] = _verdict_dict(intervals.bootstrap_difference(values[arm],
+                                                                                    values[study.baseline]))
+    return table
+
+
+def trend_tables(study: Study, runs: list[RunTables]) -> dict[str, dict[str, dict]]:
+    """measure -> `trend_table`, for the measures some run has."""
+    tables = {col: trend_table(study, runs, col) for col in KEYS}
+    return {col: t for col, t in tables.items() if t}
+
+
+def seed_program_nodes(runs: list[RunTables]) -> float | None:
+    """The seed programs' mean size (`seed_nodes`) over every task on one in the study's runs."""
+    nodes = [x for r in runs for x in r.seed_nodes]
+    return float(np.mean(nodes)) if nodes else None
 
 
 def _entry(est: intervals.Estimate, per_seed: list[float]) -> dict:
@@ -298,6 +407,9 @@ def _title(key: str) -> str:
     if key.startswith("complexity/"):
         _, tt, col = key.split("/")
         return f"{dict(COMPLEXITY)[col]} of valid {tt} programs (last third)"
+    if key.startswith("trend/"):
+        col = key.removeprefix("trend/")
+        return f"Trend of the {MEASURES.get(col, col)} of valid teacher-written programs (last − first third)"
     _, score, stat = key.split("/")
     who = {"mean": "population mean", "weakest": "weakest member", "best": "best member"}[stat]
     return f"{score}: greedy accuracy, {who}"
@@ -312,6 +424,18 @@ def findings(study: Study, metrics: dict[str, dict]) -> list[str]:
                     lines.append(_finding(key, pair_name(arm, ref), entry[ref_key]))
         lines += [_finding(key, name, d) for name, d in table.get("pairs", {}).items()]
     return lines
+
+
+def trend_findings(study: Study, trend: dict[str, dict[str, dict]]) -> tuple[list[str], list[str]]:
+    """The complexity trends as findings: each arm's own trend (ending in its `trend_verdict`),
+    and each population arm minus the baseline (ending in its `verdict`)."""
+    own, differences = [], []
+    for col, table in trend.items():
+        for arm, entry in table.items():
+            own.append(_finding(f"trend/{col}", arm, entry))
+            if entry.get("vs_baseline"):
+                differences.append(_finding(f"trend/{col}", pair_name(arm, study.baseline), entry["vs_baseline"]))
+    return own, differences
 
 
 def _finding(key: str, name: str, d: dict) -> str:
@@ -346,10 +470,22 @@ def _curve(ax, study: Study, runs: list[RunTables], key: str, colors: dict[str, 
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.45")
 
 
-def curve_figures(study: Study, runs: list[RunTables]) -> dict[str, tuple[Figure, str]]:
+def _seed_line(ax, seed_nodes: float | None) -> str:
+    """The seed programs' mean size as a dotted line; the caption's sentence for it."""
+    if seed_nodes is None:
+        return ""
+    ax.axhline(seed_nodes, color="#555", linestyle=":", linewidth=1.5, label="seed programs")
+    ax.legend(loc="best", framealpha=0.85)
+    return f" Dotted: the seed programs' mean size ({seed_nodes:.1f}, over the tasks on seed programs)."
+
+
+def curve_figures(study: Study, runs: list[RunTables],
+                  seed_nodes: float | None = None) -> dict[str, tuple[Figure, str]]:
+    """One figure per training figure some run has, one line per arm; the program-size figure
+    with `seed_nodes` (`seed_program_nodes`) as a reference line."""
     colors = _colors(study)
     figures = {}
-    for key, title, _, ylabel, (low, high) in RATES:
+    for key, title, _, ylabel, bounds in RATES:
         if not any(key in r.curves for r in runs):
             continue  # e.g. novel_valid_rate in runs from before that column
         fig = Figure(figsize=(8, 4.2))
@@ -357,9 +493,12 @@ def curve_figures(study: Study, runs: list[RunTables]) -> dict[str, tuple[Figure
         _curve(ax, study, runs, key, colors)
         ax.set_title(title)
         ax.set_ylabel(ylabel)
-        ax.set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
-        figures[f"{key}.png"] = (fig, f"{title} per step, mean over members; one line per arm (mean over seeds), "
-                                      "band: lowest to highest seed.")
+        if bounds is not None:
+            low, high = bounds
+            ax.set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+        note = _seed_line(ax, seed_nodes) if key == PROGRAM_SIZE else ""
+        figures[f"{key}.png"] = (fig, (f"{title} per step, mean over members; one line per arm (mean over seeds), "
+                                       f"band: lowest to highest seed.{note}"))
     for key, title, ylabel in FINAL:
         fig = Figure(figsize=(8, 4.2))
         ax = fig.subplots()
@@ -456,6 +595,27 @@ def _metric_html(study: Study, key: str, table: dict) -> str:
     return f"<h3>{escape(_title(key))}{extra}</h3>{note}{html_table(header, rows)}{pairs}"
 
 
+def _trend_cell(entry: dict | None) -> str:
+    return f"{_cell(entry, signed=True)} {entry['verdict']}" if entry else "–"
+
+
+def _trend_html(study: Study, trend: dict[str, dict[str, dict]]) -> str:
+    """One row per (measure, arm): the trend [95% interval], seeds, verdict, minus the baseline."""
+    header = ["measure", "arm", "last − first third [95% interval]", "seeds", "trend"]
+    if study.baseline:
+        header.append(f"− {study.baseline}")
+    rows = []
+    for col, table in trend.items():
+        for arm, entry in table.items():
+            row = [MEASURES.get(col, col), arm, _cell(entry, signed=True), str(entry["n"]), entry["verdict"]]
+            if study.baseline:
+                row.append(_diff_cell(entry.get("vs_baseline")))
+            rows.append(row)
+    return ("<h3>Complexity trend of valid teacher-written programs (task types pooled, seed programs left out)"
+            "</h3><p>Per seed: the mean over the last third of the steps minus the mean over the first third; "
+            "then the mean over seeds with its 95% interval (seeds resampled).</p>" + html_table(header, rows))
+
+
 def _machine(m: dict | None) -> str:
     if not m:
         return "–"
@@ -463,10 +623,12 @@ def _machine(m: dict | None) -> str:
     return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, bf16: {flags}"
 
 
-def markdown_summary(study: Study, metrics: dict[str, dict], run_rows: list[dict], lines: list[str]) -> str:
+def markdown_summary(study: Study, metrics: dict[str, dict], run_rows: list[dict], lines: list[str],
+                     trend: dict[str, dict[str, dict]] | None = None) -> str:
     """The report's numbers as Markdown (for docs): one row per metric with each arm's mean
     [95% interval] (and the base model's on evaluation metrics; complexity and the weakest /
-    best member left to the HTML), then the differences larger than their interval."""
+    best member left to the HTML), one row per complexity trend measure with each arm's trend
+    and verdict, then the differences larger than their interval (`lines`: differences only)."""
     arms = [a.name for a in study.arms]
     done = [r for r in run_rows if r["finished"]]
     machines = sorted({_machine(r["machine"]) for r in done})
@@ -479,6 +641,11 @@ def markdown_summary(study: Study, metrics: dict[str, dict], run_rows: list[dict
             continue
         cells = [_cell(table["arms"][a]["estimate"]) if a in table["arms"] else "–" for a in arms]
         out.append(f"| {_title(key)} | " + " | ".join(cells) + f" | {_cell(table.get('base')) or '–'} |")
+    if trend:
+        out += ["", "| complexity trend (last − first third) | " + " | ".join(arms) + " |",
+                "|---" * (len(arms) + 1) + "|"]
+        out += [f"| {MEASURES.get(col, col)} | " + " | ".join(_trend_cell(table.get(a)) for a in arms) + " |"
+                for col, table in trend.items()]
     detected = [x for x in lines if x.endswith("larger than its interval")]
     out += ["", f"Differences larger than their 95% interval ({len(detected)} of {len(lines)} compared):", ""]
     out += [f"- {x.removesuffix(': larger than its interval')}" for x in detected] or ["- none"]
@@ -500,6 +667,8 @@ def write_study_report(study: Study) -> Path:
         if table is not None:
             metrics[key] = table
     metrics.update(eval_tables(study, runs, base))
+    trend = trend_tables(study, runs)
+    seed_nodes = seed_program_nodes(runs)
     for key, table in metrics.items():
         table["title"] = _title(key)
     finished = {r.name: r for r in runs}
@@ -508,7 +677,8 @@ def write_study_report(study: Study) -> Path:
                  "train_seconds": finished[s.name].train_seconds if s.name in finished else None,
                  "machine": (json.loads((s.path / TRAINED).read_text()).get("machine")
                              if s.name in finished else None)} for s in runs_of(study)]
-    lines = findings(study, metrics)
+    trend_lines, trend_differences = trend_findings(study, trend)
+    lines = findings(study, metrics) + trend_differences
     summary = {
         "study": study.name, "description": study.description, "steps": study.steps, "seeds": list(study.seeds),
         "arms": [{"name": a.name, "config": a.config, "overrides": list(a.overrides), "description": a.description}
@@ -518,13 +688,14 @@ def write_study_report(study: Study) -> Path:
         "interval": {"level": intervals.LEVEL, "draws": intervals.DRAWS, "seed": intervals.SEED,
                      "method": "percentile bootstrap; training figures: seeds resampled; evaluation scores: seeds "
                                "and problems resampled, one draw of problems shared by all arms"},
-        "runs": run_rows, "metrics": metrics, "findings": lines,
+        "runs": run_rows, "metrics": metrics, "complexity_trend": trend, "seed_program_nodes": seed_nodes,
+        "findings": lines + trend_lines,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(markdown_summary(study, metrics, run_rows, lines))
+    (out / "summary.md").write_text(markdown_summary(study, metrics, run_rows, lines, trend))
 
     with rc_context(STYLE):
-        figures = curve_figures(study, runs)
+        figures = curve_figures(study, runs, seed_nodes)
         ev = eval_figure(study, metrics)
         if ev is not None:
             figures = {"evaluation.png": ev, **figures}
@@ -552,12 +723,17 @@ def write_study_report(study: Study) -> Path:
     parts.append("<h3>No detectable difference (or not judged)</h3>"
                  + ("<ul>" + "".join(f"<li>{escape(x)}</li>" for x in other) + "</ul>" if other
                     else "<p>None.</p>"))
+    parts.append("<h3>Complexity trend over training (each arm on its own)</h3>"
+                 + ("<ul>" + "".join(f"<li>{escape(x)}</li>" for x in trend_lines) + "</ul>" if trend_lines
+                    else "<p>No run has valid teacher-written programs in both its first and last third.</p>"))
     parts.append("<h2>Figures</h2>")
     for name, (_, caption) in figures.items():
         data = base64.b64encode((out / name).read_bytes()).decode()
         parts.append(f"<figure><a href='{name}'><img src='data:image/png;base64,{data}' alt='{name}'></a>"
                      f"<figcaption>{escape(caption)}</figcaption></figure>")
     parts.append("<h2>Tables</h2>")
+    if trend:
+        parts.append(_trend_html(study, trend))
     for key, table in metrics.items():
         parts.append(_metric_html(study, key, table))
     parts.append("<h2>Runs</h2>")

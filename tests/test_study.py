@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -162,6 +163,152 @@ def test_a_compared_pair_gets_its_difference_by_hand(tmp_path):
     assert (d["value"], d["low"], d["high"], d["verdict"]) == (2.0, 1.0, 3.0, "larger than its interval")
     assert any(line.endswith("a − b = +2.000 [+1.000, +3.000]: larger than its interval")
                for line in findings(study, {"valid_rate": table}))
+
+
+# ---- the report on fake runs --------------------------------------------------------------
+NEW_COLUMNS = ("teacher/distinct_share", "teacher/informative_valid_rate", "teacher/program_nodes")
+
+
+def _fake_study(tmp_path: Path, steps: int = 6, new_columns: bool = True, seeds_programs: bool = True):
+    """Arms `pop` (2 teachers) and `single` (the baseline), seeds 0-2, `steps` steps each, marked
+    trained. The valid teacher-written programs of seed s have n_nodes 10 + slope * step, slope
+    +(1 + s) in `pop` and -(1 + s) in `single`; every other measure is constant. Each run also
+    has an invalid proposal with a huge n_nodes and, unless `seeds_programs` is false, code_f tasks
+    on seed programs whose n_nodes fall with the step: neither may count in the trend."""
+    from reports.study_spec import TRAINED
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    study = parse_spec(_spec(tmp_path, arms={"pop": {}, "single": {}}, baseline="single", seeds=[0, 1, 2],
+                             steps=steps), tmp_path / "out")
+    for run in runs_of(study):
+        sign = 1 if run.arm == "pop" else -1
+        members = ["teacher-0", "teacher-1"] if run.arm == "pop" else ["agent-0"]
+        metrics, tasks = [], []
+        for step in range(1, steps + 1):
+            for i, m in enumerate(members):
+                row = {"step": step, "member": m, "alive": True, "teacher/valid_rate": 0.5,
+                       "teacher/reward": 0.0, "student/solve_rate": 0.5, "population/coverage": step,
+                       "time/step": 1.0}
+                if new_columns:  # the members' mean per step: 0.5 + 0.05 step, 0.4, 20 + step
+                    row.update({"teacher/distinct_share": 0.5 + 0.05 * step + (0.1 if i else -0.1) * (len(members) > 1),
+                                "teacher/informative_valid_rate": 0.4, "teacher/program_nodes": 20.0 + step})
+                metrics.append(row)
+            for tt in ("code_i", "code_o", "code_f"):
+                tasks.append({"step": step, "task_type": tt, "valid": True, "program_source": "proposal",
+                              "ast_depth": 3, "cyclomatic": 2, "loc": 4, "n_variables": 1,
+                              "n_nodes": 10 + sign * (1 + run.seed) * step, "structure_nodes": 9})
+            tasks.append({"step": step, "task_type": "code_o", "valid": False, "program_source": "proposal",
+                          "ast_depth": 30, "cyclomatic": 20, "loc": 40, "n_variables": 10, "n_nodes": 1000})
+            if seeds_programs:
+                tasks.append({"step": step, "task_type": "code_f", "valid": True, "program_source": "seed",
+                              "ast_depth": 5, "cyclomatic": 3, "loc": 6, "n_variables": 2,
+                              "n_nodes": 105 - 10 * step + run.seed,  # the whole program
+                              "structure_nodes": 100 - 10 * step + run.seed})  # what f executes
+        run.path.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(metrics), run.path / "metrics.parquet")
+        pq.write_table(pa.Table.from_pylist(tasks), run.path / "tasks.parquet")
+        (run.path / TRAINED).write_text(json.dumps({"steps": steps}))
+    return study
+
+
+def _report(study) -> dict:
+    from reports.study_report import write_study_report
+
+    assert write_study_report(study).is_file()
+    return json.loads((study.out / "report" / "summary.json").read_text())
+
+
+def test_complexity_trend_rises_in_one_arm_and_falls_in_the_other(tmp_path):
+    summary = _report(_fake_study(tmp_path))
+    nodes = summary["complexity_trend"]["n_nodes"]
+    # 6 steps: thirds of 2 steps; per seed (mean at steps 5, 6) - (mean at steps 1, 2) = ±4 (1 + seed).
+    # As in test_difference_and_its_interval_by_hand, [4, 8, 12] resampled gives exactly [4, 12].
+    pop, single = nodes["pop"], nodes["single"]
+    assert pop["per_seed"] == [4.0, 8.0, 12.0] and pop["seeds"] == [0, 1, 2]
+    assert (pop["value"], pop["low"], pop["high"], pop["n"], pop["verdict"]) == (8.0, 4.0, 12.0, 3, "rises")
+    assert (single["value"], single["low"], single["high"], single["verdict"]) == (-8.0, -12.0, -4.0, "falls")
+    d = pop["vs_baseline"]
+    assert d["value"] == 16.0 and 8.0 <= d["low"] <= d["high"] <= 24.0 and d["low"] > 0, d
+    assert d["verdict"] == "larger than its interval"
+    assert "vs_baseline" not in single  # the baseline is not compared with itself
+    # a constant measure neither rises nor falls
+    loc = summary["complexity_trend"]["loc"]["pop"]
+    assert (loc["value"], loc["low"], loc["high"], loc["verdict"]) == (0.0, 0.0, 0.0, "not separable")
+    assert set(summary["complexity_trend"]) == {"ast_depth", "cyclomatic", "loc", "n_variables", "n_nodes"}
+    title = "Trend of the AST node count of valid teacher-written programs (last − first third)"
+    assert f"{title}: pop = +8.000 [+4.000, +12.000]: rises" in summary["findings"]
+    assert f"{title}: single = -8.000 [-12.000, -4.000]: falls" in summary["findings"]
+    assert f"{title}: pop − single = +16.000 [{d['low']:+.3f}, {d['high']:+.3f}]: larger than its interval" in (
+        summary["findings"])
+    report = tmp_path / "out" / "report"
+    html = (report / "index.html").read_text()
+    assert "Complexity trend over training" in html and "pop = +8.000 [+4.000, +12.000]: rises" in html
+    md = (report / "summary.md").read_text()
+    assert "| AST node count | +8.000 [+4.000, +12.000] rises | -8.000 [-12.000, -4.000] falls |" in md, md
+
+
+def test_complexity_trend_of_a_single_seed_is_not_judged(tmp_path):
+    from reports.study_report import RunTables, trend_table
+
+    study = parse_spec(_spec(tmp_path, arms={"pop": {}, "single": {}}, baseline="single"), tmp_path / "out")
+    runs = [RunTables("pop", 0, "pop-s0", 6, scalars={"trend/n_nodes": 3.0}),
+            RunTables("single", 0, "single-s0", 6, scalars={"trend/n_nodes": -1.0}),
+            RunTables("single", 1, "single-s1", 6)]  # a third without programs
+    table = trend_table(study, runs, "n_nodes")
+    assert table["pop"]["verdict"] == "not judged (fewer than 2 seeds)"
+    assert table["pop"]["vs_baseline"]["value"] == 4.0
+    assert table["single"]["missing_seeds"] == [1] and table["single"]["per_seed"] == [-1.0]
+
+
+def test_training_figures_have_the_collapse_curves_where_the_columns_exist(tmp_path):
+    from reports.study_report import curve_figures, load_runs
+
+    study = _fake_study(tmp_path / "new")
+    summary = _report(study)
+    report = study.out / "report"
+    metrics = summary["metrics"]
+    # last third = steps 5 and 6: the members' mean per step is 0.5 + 0.05 step and 20 + step
+    assert metrics["distinct_share"]["arms"]["pop"]["estimate"]["value"] == pytest.approx(0.775)
+    assert metrics["informative_valid_rate"]["arms"]["single"]["estimate"]["value"] == pytest.approx(0.4)
+    program = metrics["program_nodes"]["arms"]["pop"]
+    assert program["estimate"]["value"] == pytest.approx(25.5) and program["vs_baseline"]["value"] == 0.0
+    assert metrics["program_nodes"]["title"] == "Program size (last third)"
+    figures = curve_figures(study, load_runs(study), summary["seed_program_nodes"])
+    for name in ("distinct_share.png", "informative_valid_rate.png", "program_nodes.png"):
+        assert (report / name).is_file() and name in figures
+        ax = figures[name][0].axes[0]
+        arms = sorted(line.get_label().split(" ")[0] for line in ax.get_lines() if "seeds)" in line.get_label())
+        assert arms == ["pop", "single"], [line.get_label() for line in ax.get_lines()]
+    distinct = next(x for x in figures["distinct_share.png"][0].axes[0].get_lines() if x.get_label().startswith("pop"))
+    assert list(distinct.get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert distinct.get_ydata() == pytest.approx([0.5 + 0.05 * s for s in range(1, 7)])
+    html = (report / "index.html").read_text()
+    assert "Distinct share (last third)" in html and "Program size (last third)" in html
+
+    old = _fake_study(tmp_path / "old", new_columns=False, seeds_programs=False)
+    summary = _report(old)
+    report = old.out / "report"
+    assert (report / "index.html").is_file() and (report / "valid_rate.png").is_file()
+    for key in ("distinct_share", "informative_valid_rate", "program_nodes"):
+        assert key not in summary["metrics"] and not (report / f"{key}.png").exists()
+    assert summary["seed_program_nodes"] is None
+    assert summary["complexity_trend"]["n_nodes"]["pop"]["verdict"] == "rises"
+
+
+def test_program_size_figure_marks_the_seed_programs_mean(tmp_path):
+    from reports.study_report import curve_figures, load_runs
+
+    study = _fake_study(tmp_path, steps=6)
+    summary = _report(study)
+    # seed-program tasks: structure_nodes 100 - 10 step + seed, steps 1-6, seeds 0-2, two arms
+    expected = np.mean([100 - 10 * step + seed for _ in range(2) for seed in range(3) for step in range(1, 7)])
+    assert expected == 66.0 and summary["seed_program_nodes"] == pytest.approx(66.0)
+    ax = curve_figures(study, load_runs(study), summary["seed_program_nodes"])["program_nodes.png"][0].axes[0]
+    line = next(x for x in ax.get_lines() if x.get_label() == "seed programs")
+    assert list(line.get_ydata()) == [pytest.approx(66.0)] * 2
+    # no line on the other figures
+    other = curve_figures(study, load_runs(study), 66.0)["distinct_share.png"][0].axes[0]
+    assert all(x.get_label() != "seed programs" for x in other.get_lines())
 
 
 def test_evaluation_scores_are_paired_over_problems():
