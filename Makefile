@@ -73,7 +73,6 @@ $(VLLM_STAMP): $(STAMP)
 	  print('vllm', vllm.__version__, 'with torch', torch.__version__)"
 	touch $@
 
-# One conformance suite for both inference backends (hf and vllm) on the tiny model.
 # The deepspeed learner strategy on CPU (DS_ACCELERATOR=cpu): tests/test_deepspeed_strategy.py
 # checks it against the torch strategy when it is installed. It JIT-builds a comm op with g++.
 DS_STAMP := $(VENV)/.deepspeed-installed
@@ -81,7 +80,7 @@ DS_STAMP := $(VENV)/.deepspeed-installed
 deepspeed: $(DS_STAMP)
 
 $(DS_STAMP): $(STAMP)
-	@command -v g++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq g++ >/dev/null; } \
+	@command -v g++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq g++ >/dev/null; } \
 	  || echo "warning: no g++: deepspeed cannot build its CPU comm op"
 	$(BIN)/pip install --quiet deepspeed==0.19.8 torch==2.13.0
 	DS_ACCELERATOR=cpu $(BIN)/python -c "import torch, deepspeed; \
@@ -89,6 +88,7 @@ $(DS_STAMP): $(STAMP)
 	  print('deepspeed', deepspeed.__version__, 'with torch', torch.__version__)"
 	touch $@
 
+# One conformance suite for both inference backends (hf and vllm) on the tiny model.
 test-backends: setup vllm
 	$(BIN)/python -m pytest -q tests/test_backends.py
 
