@@ -45,8 +45,8 @@ import torch
 
 from multilora.logprobs import token_logprobs
 from multilora.model import MultiLoraModel
-from multilora.trainer import (Tally, TrainerSettings, TrainSample, UpdatePlan, by_adapter, micro_batches,
-                               pad_samples, policy_passes)
+from multilora.trainer import (Tally, TrainerSettings, TrainSample, UpdatePlan, by_adapter, clip_to_norm,
+                               micro_batches, pad_samples, policy_passes)
 
 
 def require_deepspeed():
@@ -183,24 +183,22 @@ class DeepSpeedPolicyTrainer:
         step_group = zero._optimizer_step
         max_norm = self.settings.max_grad_norm
 
-        def reduced_norm(t: torch.Tensor, group) -> float:
+        def reduced_norm(t: torch.Tensor, group) -> torch.Tensor:
             sq = t.detach().float().pow(2).sum().to(self.engine.device)
             dist.all_reduce(sq, group=group)
-            return float(sq.sqrt())
+            return sq.sqrt()
 
         def hooked(group_no: int) -> None:
             master = zero.single_partition_of_fp32_groups[group_no]
             dp_group = zero.real_dp_process_group[group_no]
             norm = reduced_norm(master.grad, dp_group)
-            self.grad_norms[group_no] = norm
+            self.grad_norms[group_no] = float(norm)
             if group_no not in self.stepping:
                 return
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                master.grad.mul_(coef)
+            clip_to_norm(master, norm, max_norm)
             before = master.detach().clone()
             step_group(group_no)
-            self.update_norms[group_no] += reduced_norm(before.sub_(master), dp_group)
+            self.update_norms[group_no] += float(reduced_norm(before.sub_(master), dp_group))
 
         zero._optimizer_step = hooked
 

@@ -326,9 +326,16 @@ def clip_grad_norm(param: torch.Tensor, max_norm: float) -> float:
     1.0 when the norm is within `max_norm` (an adapter-sized pass per adapter and step);
     returns the norm before the clip."""
     norm = torch.nn.utils.get_total_norm([param.grad])
+    clip_to_norm(param, norm, max_norm)
+    return float(norm)
+
+
+def clip_to_norm(param: torch.Tensor, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `param.grad`, whose norm is `norm` (a 0-d tensor: over all ranks' shares where
+    the gradient is partitioned), to at most `max_norm`: torch's clip rule, skipped when
+    the norm is within the bound."""
     if float(max_norm / (norm + 1e-6)) < 1.0:
         torch.nn.utils.clip_grads_with_norm_([param], max_norm, norm)
-    return float(norm)
 
 
 class PolicyTrainer:
