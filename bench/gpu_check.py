@@ -18,7 +18,12 @@ Measured, in one process:
 - generation: tokens/s of `multilora.generation.generate` with the 8 adapters mixed in one
   batch vs the bare model (plain transformers `generate`, no LoRA layers at all: measured
   before the adapters are attached) and vs our loop on the bare model and on one adapter.
-  Keys mixed8_vs_bare_hf, mixed8_vs_ours_none, mixed8_vs_single (aim >= 0.9).
+  Keys mixed8_vs_bare_hf, mixed8_vs_ours_none, mixed8_vs_single (aim >= 0.9). The same
+  two runs again with the decode steps captured as CUDA graphs (`multilora.decode.CUDA_GRAPHS`,
+  off by default until this check shows them faster with the same tokens): keys
+  mixed8_vs_single_graphs (8 mixed vs 1 adapter, both graphed), mixed8_vs_bare_hf_graphs,
+  graphs_vs_eager_mixed8 (tokens/s ratio), graphs_same_tokens (greedy tokens equal to the
+  eager loop's), graphs_error (why the capture failed, if it did).
 - peak GPU memory (`torch.cuda.max_memory_allocated`) of the model build, the generation
   and the learner phases, in GiB.
 - the fp32-factor learning check (`tests/test_lora_precision.py`): fraction of one adapter's `lora_A`
@@ -39,6 +44,7 @@ import time
 import torch
 
 from bench import write_result
+from multilora import decode as decode_mod
 from multilora.generation import GenerationRequest, SamplingParams, generate
 from multilora.model import BareModel, LoraSpec, MultiLoraModel
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample
@@ -154,6 +160,30 @@ def ours_generate(model, prompts: list[tuple[int, ...]], names: list[str], new_t
                    max_batch=len(prompts))
     made = {len(o.completions[0].token_ids) for o in out}
     assert made == {new_tokens}, f"rows made {made} tokens, expected {new_tokens}"
+    return [o.completions[0].token_ids for o in out]
+
+
+def graphs_check(model, prompts: list[tuple[int, ...]], names: list[str], new_tokens: int, reps: int, device: str,
+                 eager_tokens: list) -> dict:
+    """Our loop with its decode steps as CUDA graphs (`multilora.decode.CUDA_GRAPHS`): tokens/s
+    of 8 mixed adapters and of one, and whether the greedy tokens are the eager loop's."""
+    decode_mod.CUDA_GRAPHS = True
+    try:
+        runs = {"ours_single_graphs": lambda: ours_generate(model, prompts, ["a0"] * len(prompts), new_tokens),
+                "ours_mixed8_graphs": lambda: ours_generate(model, prompts, names, new_tokens)}
+        same = runs["ours_mixed8_graphs"]() == eager_tokens  # warm-up and the check
+        runs["ours_single_graphs"]()
+        times: dict[str, list[float]] = {}
+        for rep in range(reps):
+            for k in (list(runs) if rep % 2 == 0 else list(reversed(list(runs)))):
+                times.setdefault(k, []).append(timed(runs[k], device))
+    except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding, not the end of the check
+        return {"graphs_error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        decode_mod.CUDA_GRAPHS = False
+    rows = len(prompts)
+    return {"tokens_per_s": {k: rows * new_tokens / statistics.median(v) for k, v in times.items()},
+            "graphs_same_tokens": same}
 
 
 def samples(rows: int, prompt_len: int, completion_len: int, adapters: int, vocab: int, seed: int) -> list[TrainSample]:
@@ -264,8 +294,8 @@ def main() -> None:
     model = attach_adapters(base)
     more = {"ours_single": lambda: ours_generate(model, prompts, ["a0"] * rows, new_tokens),
             "ours_mixed8": lambda: ours_generate(model, prompts, names, new_tokens)}
-    for run in more.values():
-        run()
+    eager_tokens = more["ours_mixed8"]()
+    more["ours_single"]()
     for rep in range(reps):
         for k in (list(more) if rep % 2 == 0 else list(reversed(list(more)))):
             gen.setdefault(k, []).append(timed(more[k], device))
@@ -276,6 +306,15 @@ def main() -> None:
     for ref in ("bare_hf", "ours_none", "single"):
         key = ref if ref != "single" else "ours_single"
         result[f"mixed8_vs_{ref}"] = tokens_per_s["ours_mixed8"] / tokens_per_s[key]
+    graphs = graphs_check(model, prompts, names, new_tokens, reps, device, eager_tokens)
+    result["graphs"] = graphs
+    result["graphs_error"] = graphs.get("graphs_error")
+    if "tokens_per_s" in graphs:
+        fast = graphs["tokens_per_s"]
+        result["mixed8_vs_single_graphs"] = fast["ours_mixed8_graphs"] / fast["ours_single_graphs"]
+        result["mixed8_vs_bare_hf_graphs"] = fast["ours_mixed8_graphs"] / tokens_per_s["bare_hf"]
+        result["graphs_vs_eager_mixed8"] = fast["ours_mixed8_graphs"] / tokens_per_s["ours_mixed8"]
+        result["graphs_same_tokens"] = graphs["graphs_same_tokens"]
 
     reset_peak(device)
     result["learner"] = learner_check(model, SIZES[size]["learner"], vocab, device)
@@ -295,6 +334,12 @@ def main() -> None:
         print(f"  generate {k:<12} {v:10.1f} tokens/s")
     print(f"  mixed8 vs bare hf {result['mixed8_vs_bare_hf']:.3f}, vs ours none {result['mixed8_vs_ours_none']:.3f}, "
           f"vs single {result['mixed8_vs_single']:.3f} (aim >= 0.9 vs single)")
+    if result.get("graphs_error"):
+        print(f"  CUDA graphs: failed ({result['graphs_error']})")
+    elif "mixed8_vs_single_graphs" in result:
+        print(f"  CUDA graphs: mixed8 vs single {result['mixed8_vs_single_graphs']:.3f}, vs bare hf "
+              f"{result['mixed8_vs_bare_hf_graphs']:.3f}, vs eager mixed8 {result['graphs_vs_eager_mixed8']:.3f}, "
+              f"same tokens {result['graphs_same_tokens']}")
     print(f"  learner step 8 vs 1 adapters, {result['learner']['tokens']} tokens: {result['step8_vs_step1']:.3f} "
           f"(aim <= 1.10)")
     print(f"  lora_A entries changed after {LEARNING_CHECK['updates']} updates at lr {LEARNING_CHECK['lr']}: "

@@ -92,6 +92,19 @@ def prefill_batches(lengths: Sequence[int], cap: int = PREFILL_TOKENS,
     return batches[::-1]
 
 
+# CUDA graphs of the decode step (`Decoder.step`): on a GPU a step of a 7B model is some
+# 28 layers x 20 small kernels, each paid at launch cost; a captured graph replays them as
+# one launch. Off until a GPU has measured it faster with the same tokens (`python -m
+# bench.gpu_check`: `mixed8_vs_single_graphs`, `graphs_same_tokens`). With it on (or
+# `decode(..., cuda_graphs=True)`) a CUDA device captures one graph per (rows, key span)
+# and a CPU runs the same static steps eagerly (how the tests check them).
+CUDA_GRAPHS = False
+# A graph's step attends over a fixed number of cache positions: the next multiple of
+# this at or above the longest row (or the whole cache), so a call captures a few graphs,
+# not one per token. Positions past a row's keys are masked, so the result is the same.
+GRAPH_SPAN_STEP = 128
+
+
 # A head shared by prompts of one adapter is prefilled once when it is at least this long
 # (a teacher's code_i or code_o prompts share their first 155-160 tokens, its code_f prompts
 # 47, prompts of different types 27-48: the chat template and little more)
@@ -147,10 +160,16 @@ class Decoder(Blocks):
     """The forward passes of one call (prefill one prompt into slots; decode one token per
     slot) over a Llama-family model; see the module docstring."""
 
-    def __init__(self, model, rows: int, length: int) -> None:
+    def __init__(self, model, rows: int, length: int, graphs: bool = False) -> None:
+        """`graphs`: steps through static input buffers and fixed key spans, captured as CUDA
+        graphs on a CUDA device (`CUDA_GRAPHS`), run eagerly elsewhere."""
         super().__init__(model, length)
         self.cache = _Cache(len(self.layers), rows, self.kv_heads, length, self.head_dim, self.dtype, self.device)
         self.arange = torch.arange(rows, device=self.device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        # (rows, span) -> (tokens, positions, graph, logits, routing tensors it read); None: no graphs
+        self.graphs: dict[tuple[int, int], tuple] | None = {} if graphs else None
+        self._pool = None
         self._ops: list[LayerOps] | None = None  # each layer's parts resolved for the routing `_ops_slots`
         self._ops_slots: torch.Tensor | None = None
         self._head: tuple[Callable, Callable] | None = None  # the final norm and the LM head, resolved
@@ -214,7 +233,7 @@ class Decoder(Blocks):
                                                       enable_gqa=gqa)
 
         routing = self.model.routing
-        previous = routing.slots
+        previous = routing.state()  # the step's routing tensors come back as they were
         routing.slots = slots
         try:
             h = self.inner.embed_tokens(ids)
@@ -223,22 +242,80 @@ class Decoder(Blocks):
             last = h[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
             return self._proj(self.lm_head, self.inner.norm(last))
         finally:
-            routing.slots = previous
+            routing.restore(previous)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: int, longest: int) -> torch.Tensor:
         """Feed `tokens[j]` at `positions[j]` for the first `rows` slots (routing as set by the
         caller); attend over positions [0, longest) (or all, masked past them); logits [rows, V]."""
-        cache = self.cache
-        ar = self.arange[:rows]
-        cache.bias[ar, positions] = 0.0
         # attend over the whole cache once `longest` passes half of it: a slice [:longest] of
         # the cache is strided, and a bf16 matmul copies it first; the positions past a row's
         # keys are masked by `bias` (-inf) and hold finite values (zeros or padding's), so the
         # result is the same. 12 rows x 3 key/value heads, 600 positions, 2 threads: attention
         # over 599 of them 843 us per layer as a slice, 378 us over all 600.
-        total = cache.bias.shape[1]
+        total = self.cache.bias.shape[1]
         span = longest if 2 * longest <= total else total
+        if self.graphs is None:
+            return self._step(tokens, positions, rows, span)
+        self._resolve()
+        if span < total:
+            span = min(total, -(-span // GRAPH_SPAN_STEP) * GRAPH_SPAN_STEP)
+        entry = self.graphs.get((rows, span))
+        cached = self.model.routing.cached()
+        if entry is not None and (len(entry[4]) != len(cached) or any(a is not b for a, b in zip(entry[4], cached))):
+            self.graphs.clear()  # the routing's tensors were replaced (compaction, other slots used)
+            entry = None
+        if entry is None:
+            return self._capture(tokens, positions, rows, span)
+        static_tokens, static_positions, graph, logits, _ = entry
+        static_tokens.copy_(tokens)
+        static_positions.copy_(positions)
+        if graph is None:
+            return self._step(static_tokens, static_positions, rows, span)
+        graph.replay()
+        return logits
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
+        """The first step of shape (rows, span): run through static buffers, then (CUDA)
+        captured as a graph that later steps of that shape replay. The step's cache writes
+        are idempotent (the same keys/values at the same positions), so running it again in
+        the capture's replay gives the same logits."""
+        static_tokens, static_positions = tokens.clone(), positions.clone()
+        if self.device.type != "cuda":
+            logits = self._step(static_tokens, static_positions, rows, span)
+            self.graphs[(rows, span)] = (static_tokens, static_positions, None, None, self.model.routing.cached())
+            return logits
+        side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graphs asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(static_tokens, static_positions, rows, span)  # builds the routing's masks too
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(static_tokens, static_positions, rows, span)
+        self.graphs[(rows, span)] = (static_tokens, static_positions, graph, logits, self.model.routing.cached())
+        graph.replay()
+        return logits
+
+    def _resolve(self) -> None:
+        """Each layer's parts resolved for the routing's current slots (once per routing)."""
+        routing = self.model.routing
+        if self._ops is None or self._ops_slots is not routing.slots:
+            self._ops = [self.layer_ops(layer, resolved=True) for layer in self.layers]
+            self._head = (_norm(self.inner.norm), self._one(self.lm_head, resolved=True))
+            self._ops_slots = routing.slots
+            if self.graphs:
+                self.graphs.clear()
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
+        """`step` over the first `span` cache positions: only tensor operations on
+        tensors whose shapes (rows, span) fix, nothing read back to the host, so a CUDA
+        graph can capture it."""
+        cache = self.cache
+        ar = self.arange[:rows]
+        cache.bias.index_put_((ar, positions), self._zero)
         bias = cache.bias[:rows, None, None, :span]
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         group = self.heads // self.kv_heads
@@ -257,11 +334,7 @@ class Decoder(Blocks):
             out = torch.matmul(weights.to(vc.dtype), vc[:rows, :, :span])
             return out.view(rows, self.heads, 1, self.head_dim)
 
-        routing = self.model.routing
-        if self._ops is None or self._ops_slots is not routing.slots:  # resolved once per routing
-            self._ops = [self.layer_ops(layer, resolved=True) for layer in self.layers]
-            self._head = (_norm(self.inner.norm), self._one(self.lm_head, resolved=True))
-            self._ops_slots = routing.slots
+        self._resolve()
         h = self.inner.embed_tokens(tokens[:, None])
         for i, (layer, ops) in enumerate(zip(self.layers, self._ops)):
             h = self.attention_block(i, layer, h, cos, sin, attend, ops)
@@ -297,24 +370,28 @@ class Decoder(Blocks):
 
 @torch.inference_mode()
 def decode(model, tokenizer, requests: Sequence, max_batch: int = 32,
-           generator: torch.Generator | None = None) -> list[list]:
+           generator: torch.Generator | None = None, cuda_graphs: bool | None = None) -> list[list]:
     """`params.n` completions per request (`multilora.sampling.GenerationRequest`), as
-    lists of `Completion` in request order; see the module docstring."""
+    lists of `Completion` in request order; see the module docstring. `cuda_graphs`
+    (default `CUDA_GRAPHS`): decode steps as CUDA graphs on a CUDA device, the same static
+    steps run eagerly elsewhere."""
     routing = model.routing
     previous, routing.packed = routing.packed, True  # packed weights (`multilora.onednn`)
     try:
-        return _decode(model, tokenizer, requests, max_batch, generator)
+        return _decode(model, tokenizer, requests, max_batch, generator,
+                       CUDA_GRAPHS if cuda_graphs is None else cuda_graphs)
     finally:
         routing.packed = previous
 
 
-def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: torch.Generator | None) -> list[list]:
+def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: torch.Generator | None,
+            graphs: bool = False) -> list[list]:
     if not requests:
         return []
     total = sum(r.params.n for r in requests)
     rows = max(1, min(max_batch, total))
     length = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests) + 1
-    dec = Decoder(model, rows, length)
+    dec = Decoder(model, rows, length, graphs=graphs)
     device = dec.device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     has_slots = hasattr(model, "slots_for")
@@ -413,7 +490,10 @@ def _decode(model, tokenizer, requests: Sequence, max_batch: int, generator: tor
                 positions = torch.tensor(lengths[:width], dtype=torch.long, device=device)
                 longest = max(lengths[s] for s in going) + 1
                 if dirty:  # new rows or compaction: the routing's row masks are rebuilt once
-                    routing.slots = slot_adapter[:width].clone() if has_slots else None
+                    if graphs:  # in place where it can: the captured steps read those tensors
+                        routing.assign(slot_adapter[:width] if has_slots else None)
+                    else:
+                        routing.slots = slot_adapter[:width].clone() if has_slots else None
                     dirty = False
                 logits_buf[:width] = dec.step(token_t, positions, width, longest)
                 for s in going:

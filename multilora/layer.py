@@ -73,6 +73,7 @@ class Routing:
         self._rows: list[int] | None = None
         self._segments: tuple | None = None
         self._runs: list[tuple[int, int, int]] | None | bool = False
+        self._owned: torch.Tensor | None = None  # a slots tensor `assign` made, which it may write in place
 
     @property
     def slots(self) -> torch.Tensor | None:
@@ -104,6 +105,38 @@ class Routing:
         self._rows = None
         self._segments = None
         self._runs = False
+
+    def state(self) -> tuple:
+        """The routing as it is, slots and every cached tensor, for `restore`: a pass that
+        routes its own rows for a while (a prefill inside the decode loop) gives the loop back
+        the very tensors it had, which a captured CUDA graph of the loop's step reads."""
+        return (self._slots, self._masks, self._used, self._rows, self._segments, self._runs, self._owned)
+
+    def restore(self, state: tuple) -> None:
+        """Back to a `state()`."""
+        (self._slots, self._masks, self._used, self._rows, self._segments, self._runs, self._owned) = state
+
+    def assign(self, value: torch.Tensor | None) -> bool:
+        """Route rows to `value` as `slots = value.clone()` does, but where the routing holds
+        a slots tensor of the same shape made by an earlier `assign` and only row masks of
+        all slots (the dense kernel's: nothing that depends on which slots are used), write the
+        new slots and masks into the tensors already there: True then. A CUDA graph captured
+        over those tensors stays valid when rows change adapters (`multilora.decode`)."""
+        current = self._slots
+        if (value is None or current is None or current is not self._owned or current.shape != value.shape
+                or current.device != value.device or self._used is not None or self._segments is not None
+                or self._runs is not False or any(key[5] for key in self._masks)):
+            self.slots = None if value is None else value.clone()
+            self._owned = self._slots
+            return False
+        current.copy_(value)
+        for key, mask in self._masks.items():
+            mask.copy_(self._build_mask(current, *key))
+        return True
+
+    def cached(self) -> tuple:
+        """The slots and the row masks built for them so far (identity checks)."""
+        return (self._slots, *self._masks.values())
 
     def used_slots(self) -> tuple[list[int], torch.Tensor]:
         """The distinct slots of this batch, and each row's index into that list."""
@@ -143,14 +176,20 @@ class Routing:
         key = (n_slots, rank, dtype, device, groups, used_only, stacked)
         mask = self._masks.get(key)
         if mask is None:
-            slots = (self.used_slots()[1] if used_only else self._slots).to(device)
-            mask = torch.zeros(slots.shape[0], n_slots, rank, dtype=dtype, device=device)
-            mask[torch.arange(slots.shape[0], device=device), slots] = 1
-            mask = mask.reshape(slots.shape[0], 1, n_slots * rank).repeat(1, 1, groups)
-            if stacked:
-                own = torch.eye(groups, dtype=dtype, device=device).repeat_interleave(n_slots * rank, dim=1)
-                mask = mask * own[None]
-            self._masks[key] = mask
+            mask = self._masks[key] = self._build_mask(self.used_slots()[1] if used_only else self._slots, *key)
+        return mask
+
+    @staticmethod
+    def _build_mask(slots: torch.Tensor, n_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
+                    groups: int, used_only: bool, stacked: bool) -> torch.Tensor:
+        """`row_mask` of rows routed to `slots` (slot indices, or indices into the used ones)."""
+        slots = slots.to(device)
+        mask = torch.zeros(slots.shape[0], n_slots, rank, dtype=dtype, device=device)
+        mask[torch.arange(slots.shape[0], device=device), slots] = 1
+        mask = mask.reshape(slots.shape[0], 1, n_slots * rank).repeat(1, 1, groups)
+        if stacked:
+            own = torch.eye(groups, dtype=dtype, device=device).repeat_interleave(n_slots * rank, dim=1)
+            mask = mask * own[None]
         return mask
 
 
