@@ -169,7 +169,7 @@ class Decoder(Blocks):
         self._zero = torch.zeros((), dtype=torch.float32, device=self.device)
         # (rows, span) -> (tokens, positions, graph, logits, routing tensors it read); None: no graphs
         self.graphs: dict[tuple[int, int], tuple] | None = {} if graphs else None
-        self._pool = None
+        self._pool = self._stream = None
         self._ops: list[LayerOps] | None = None  # each layer's parts resolved for the routing `_ops_slots`
         self._ops_slots: torch.Tensor | None = None
         self._head: tuple[Callable, Callable] | None = None  # the final norm and the LM head, resolved
@@ -285,15 +285,15 @@ class Decoder(Blocks):
             logits = self._step(static_tokens, static_positions, rows, span)
             self.graphs[(rows, span)] = (static_tokens, static_positions, None, None, self.model.routing.cached())
             return logits
-        side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graphs asks
+        if self._pool is None:  # one pool and one capture stream for all of a call's graphs
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        side = self._stream  # warm-up off the default stream, as torch.cuda.graphs asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._step(static_tokens, static_positions, rows, span)  # builds the routing's masks too
         torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             logits = self._step(static_tokens, static_positions, rows, span)
         self.graphs[(rows, span)] = (static_tokens, static_positions, graph, logits, self.model.routing.cached())
         graph.replay()
