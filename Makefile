@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-unit test-slow bench bench-learning setup system-deps model clean-venv
-.PHONY: vllm test-backends deepspeed
+.PHONY: vllm test-backends deepspeed device-wheels
 
 run: setup
 	$(BIN)/populora train --config configs/local.yaml
@@ -87,6 +87,18 @@ $(DS_STAMP): $(STAMP)
 	  assert torch.__version__ == '2.13.0+cpu', f'deepspeed replaced torch: {torch.__version__}'; \
 	  print('deepspeed', deepspeed.__version__, 'with torch', torch.__version__)"
 	touch $@
+
+# Wheels for a lent GPU machine (Python 3.12, torch and transformers there; no DeepSpeed),
+# carried to it as .whl/ by bench/device_check.sh's caller: deepspeed (pure Python, its ops
+# JIT-built on first use) and the packages it needs that the image lacks (typing_extensions
+# too: pydantic wants a recent one)
+device-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip wheel --quiet --no-deps -w .whl deepspeed==0.19.8
+	$(BIN)/pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl pydantic hjson
+	du -sh .whl
 
 # One conformance suite for both inference backends (hf and vllm) on the tiny model.
 test-backends: setup vllm

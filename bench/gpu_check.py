@@ -26,6 +26,12 @@ Measured, in one process:
   eager loop's), graphs_error (why the capture failed, if it did).
 - peak GPU memory (`torch.cuda.max_memory_allocated`) of the model build, the generation
   and the learner phases, in GiB.
+- the DeepSpeed strategy on this device, where deepspeed is installed: one rank (a process
+  group of one) against the torch strategy on the tiny random Llama in fp32, the updates of
+  tests/test_deepspeed_strategy.py (two epochs, a KL-anchored row, a clip bound that acts on
+  each adapter, a last update where adapter b has no signal). Keys deepspeed_matches_torch,
+  deepspeed_max_stat_rel_err, deepspeed_max_weight_rel_err, deepspeed_b_unchanged
+  (deepspeed_check.skipped names why it did not run).
 - the fp32-factor learning check (`tests/test_lora_precision.py`): fraction of one adapter's `lora_A`
   entries that changed at all after 5 updates at lr 1e-6 on the bf16 base. With bf16
   factors it was 0.3 % on the tiny model; float32 factors give ~100 %.
@@ -130,6 +136,70 @@ def attach_adapters(base: torch.nn.Module) -> MultiLoraModel:
                  for k, v in model.export_adapter(f"a{i}").items()}
         model.set_adapter(f"a{i}", state)
     return model
+
+
+DEEPSPEED_SETTINGS = {"lr": 1e-2, "weight_decay": 0.1, "micro_batch": 1, "epochs": 2, "max_grad_norm": 0.05}
+
+
+def deepspeed_check(device: str) -> dict:
+    """The DeepSpeed strategy (one rank) against the torch strategy on `device` (module
+    docstring); skipped where deepspeed does not import."""
+    try:
+        import deepspeed  # noqa: F401 - only whether it imports
+    except ImportError as exc:
+        return {"skipped": f"deepspeed does not import: {exc}"}
+    import socket
+
+    import torch.distributed as dist
+
+    from multilora.deepspeed_strategy import DeepSpeedPolicyTrainer, DeepSpeedSettings
+
+    def model() -> MultiLoraModel:
+        m = MultiLoraModel(build_model("tiny", device, torch.float32),
+                           LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj")), n_slots=3)
+        g = torch.Generator().manual_seed(0)
+        for name in ("a", "b"):
+            m.add_adapter(name, generator=g)
+            state = {k: v + torch.randn(v.shape, generator=g) * 0.05 for k, v in m.export_adapter(name).items()}
+            m.set_adapter(name, state)  # B starts at 0: moved so both factors get gradients
+        return m
+
+    a = [TrainSample("a", (1, 2, 3), (4, 5, 6), 1.0, kl_coef=0.2), TrainSample("a", (1, 2), (6, 7, 8), -1.0),
+         TrainSample("a", (1, 2, 3), (9, 10), 0.5)]
+    b = [TrainSample("b", (9, 10), (11, 12), 0.5), TrainSample("b", (9, 10), (13, 14, 15), -0.5)]
+    b_flat = [TrainSample(s.adapter, s.prompt_ids, s.completion_ids, 0.0) for s in b]
+    updates = [a + b, a + b, a + b_flat]
+    settings = TrainerSettings(**DEEPSPEED_SETTINGS)
+    reference = PolicyTrainer(model(), settings, PAD_ID)
+    want = [reference.update(batch) for batch in updates]
+    started = not dist.is_initialized()
+    if started:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        trainer = DeepSpeedPolicyTrainer(model(), settings, PAD_ID, DeepSpeedSettings(bf16=False, overlap_comm=False))
+        got, b_before = [], None
+        for batch in updates:
+            b_before = {k: v.clone() for k, v in trainer.model.export_adapter("b").items()}
+            got.append(trainer.update(batch))
+        b_after = trainer.model.export_adapter("b")
+        weights = {n: trainer.model.export_adapter(n) for n in ("a", "b")}
+    except Exception as exc:  # noqa: BLE001 - a failing strategy is the check's finding
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+    stat_err = max(abs(g[n][k] - v) / max(abs(v), 1e-7) for w, g in zip(want, got) for n in w
+                   for k, v in w[n].items())
+    weight_err = max(float((reference.model.export_adapter(n)[k] - weights[n][k]).abs().max()
+                           / (reference.model.export_adapter(n)[k].abs().max() + 1e-12))
+                     for n in ("a", "b") for k in weights[n])
+    unchanged = all(torch.equal(b_after[k], v) for k, v in b_before.items())
+    return {"deepspeed_version": deepspeed.__version__, "max_stat_rel_err": stat_err,
+            "max_weight_rel_err": weight_err, "b_unchanged_without_signal": unchanged,
+            "matches": stat_err < 1e-4 and weight_err < 2e-4 and unchanged and want[2]["b"]["stepped"] == 0.0}
 
 
 def random_ids(rows: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
@@ -320,6 +390,11 @@ def main() -> None:
     result["learner"] = learner_check(model, SIZES[size]["learner"], vocab, device)
     result["step8_vs_step1"] = result["learner"]["step8_vs_step1"]
     peaks["learner"] = peak_gib(device)
+    result["deepspeed_check"] = deepspeed_check(device)
+    result["deepspeed_matches_torch"] = result["deepspeed_check"].get("matches")
+    result["deepspeed_max_stat_rel_err"] = result["deepspeed_check"].get("max_stat_rel_err")
+    result["deepspeed_max_weight_rel_err"] = result["deepspeed_check"].get("max_weight_rel_err")
+    result["deepspeed_b_unchanged"] = result["deepspeed_check"].get("b_unchanged_without_signal")
     result["learning_check"] = learning_check(model, vocab, device)
     result["lora_A_changed_fraction"] = result["learning_check"]["lora_A_changed_fraction"]
     result["importance_check"] = importance_check(model, vocab, *SIZES[size]["importance"])
@@ -342,6 +417,13 @@ def main() -> None:
               f"same tokens {result['graphs_same_tokens']}")
     print(f"  learner step 8 vs 1 adapters, {result['learner']['tokens']} tokens: {result['step8_vs_step1']:.3f} "
           f"(aim <= 1.10)")
+    ds = result["deepspeed_check"]
+    if "matches" in ds:
+        print(f"  deepspeed {ds['deepspeed_version']} vs torch strategy (1 rank, fp32): matches {ds['matches']}, "
+              f"stats rel err {ds['max_stat_rel_err']:.2e}, weights {ds['max_weight_rel_err']:.2e}, "
+              f"b unchanged without signal {ds['b_unchanged_without_signal']}")
+    else:
+        print(f"  deepspeed check: {ds.get('skipped') or ds.get('error')}")
     print(f"  lora_A entries changed after {LEARNING_CHECK['updates']} updates at lr {LEARNING_CHECK['lr']}: "
           f"{result['lora_A_changed_fraction']:.4f}")
     ic = result["importance_check"]

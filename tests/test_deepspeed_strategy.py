@@ -4,6 +4,8 @@ where deepspeed is installed (`make deepspeed`; CI does)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 
@@ -125,6 +127,18 @@ def test_deepspeed_matches_the_torch_strategy(world, tmp_path):
         for key in want_w:
             err = float((want_w[key] - got_w[key]).abs().max() / (want_w[key].abs().max() + 1e-12))
             assert err < 2e-4, (name, key, err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (make deepspeed)")
+def test_gpu_check_deepspeed_part_runs_on_the_cpu():
+    """bench.gpu_check's DeepSpeed part (what a lent GPU runs) on the CPU accelerator."""
+    code = ("import json, torch; torch.set_num_threads(1); from bench.gpu_check import deepspeed_check; "
+            "print(json.dumps(deepspeed_check('cpu')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["matches"] is True and result["b_unchanged_without_signal"] is True, result
 
 
 if __name__ == "__main__":  # one deepspeed run of the parity test: world, port, output file
