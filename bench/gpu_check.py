@@ -152,7 +152,7 @@ def deepspeed_check(device: str) -> dict:
     """The DeepSpeed strategy (one rank) against the torch strategy on `device` (module
     docstring); skipped where deepspeed does not import."""
     try:
-        import deepspeed  # noqa: F401 - only whether it imports
+        import deepspeed
     except ImportError as exc:
         return {"skipped": f"deepspeed does not import: {exc}"}
     import socket
