@@ -148,6 +148,16 @@ def attach_adapters(base: torch.nn.Module) -> MultiLoraModel:
 DEEPSPEED_SETTINGS = {"lr": 1e-2, "weight_decay": 0.1, "micro_batch": 1, "epochs": 2, "max_grad_norm": 0.05}
 
 
+def deepspeed_updates() -> list[list[TrainSample]]:
+    """Three updates of adapters a and b: a KL-anchored row, and a last update where b has
+    no signal (the DeepSpeed strategy's parity check, here and in the tests)."""
+    a = [TrainSample("a", (1, 2, 3), (4, 5, 6), 1.0, kl_coef=0.2), TrainSample("a", (1, 2), (6, 7, 8), -1.0),
+         TrainSample("a", (1, 2, 3), (9, 10), 0.5)]
+    b = [TrainSample("b", (9, 10), (11, 12), 0.5), TrainSample("b", (9, 10), (13, 14, 15), -0.5)]
+    b_flat = [TrainSample(s.adapter, s.prompt_ids, s.completion_ids, 0.0) for s in b]
+    return [a + b, a + b, a + b_flat]
+
+
 def deepspeed_check(device: str) -> dict:
     """The DeepSpeed strategy (one rank) against the torch strategy on `device` (module
     docstring); skipped where deepspeed does not import."""
@@ -171,11 +181,7 @@ def deepspeed_check(device: str) -> dict:
             m.set_adapter(name, state)  # B starts at 0: moved so both factors get gradients
         return m
 
-    a = [TrainSample("a", (1, 2, 3), (4, 5, 6), 1.0, kl_coef=0.2), TrainSample("a", (1, 2), (6, 7, 8), -1.0),
-         TrainSample("a", (1, 2, 3), (9, 10), 0.5)]
-    b = [TrainSample("b", (9, 10), (11, 12), 0.5), TrainSample("b", (9, 10), (13, 14, 15), -0.5)]
-    b_flat = [TrainSample(s.adapter, s.prompt_ids, s.completion_ids, 0.0) for s in b]
-    updates = [a + b, a + b, a + b_flat]
+    updates = deepspeed_updates()
     settings = TrainerSettings(**DEEPSPEED_SETTINGS)
     reference = PolicyTrainer(model(), settings, PAD_ID)
     want = [reference.update(batch) for batch in updates]

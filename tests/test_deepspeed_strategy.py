@@ -64,16 +64,15 @@ def _model():
 
 
 def _updates():
-    from multilora.trainer import TrainSample
+    from bench.gpu_check import deepspeed_updates
 
-    a = [TrainSample("a", (1, 2, 3), (4, 5, 6), 1.0, kl_coef=0.2), TrainSample("a", (1, 2), (6, 7, 8), -1.0),
-         TrainSample("a", (1, 2, 3), (9, 10), 0.5)]
-    b = [TrainSample("b", (9, 10), (11, 12), 0.5), TrainSample("b", (9, 10), (13, 14, 15), -0.5)]
-    b_flat = [TrainSample("b", (9, 10), (11, 12), 0.0), TrainSample("b", (9, 10), (13, 14, 15), 0.0)]
-    return [a + b, a + b, a + b_flat]
+    return deepspeed_updates()
 
 
-_SETTINGS = {"lr": 1e-2, "weight_decay": 0.1, "micro_batch": 1, "epochs": 2, "max_grad_norm": 0.05}
+def _settings() -> dict:
+    from bench.gpu_check import DEEPSPEED_SETTINGS
+
+    return DEEPSPEED_SETTINGS
 
 
 def _deepspeed_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -84,7 +83,7 @@ def _deepspeed_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     from multilora.deepspeed_strategy import DeepSpeedPolicyTrainer
 
-    trainer = DeepSpeedPolicyTrainer(_model(), TrainerSettings(**_SETTINGS), 0,
+    trainer = DeepSpeedPolicyTrainer(_model(), TrainerSettings(**_settings()), 0,
                                      DeepSpeedSettings(bf16=False, overlap_comm=False))
     stats, b_before_last = [], None
     for batch in _updates():
@@ -111,7 +110,7 @@ def test_deepspeed_matches_the_torch_strategy(world, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = torch.load(out, weights_only=True)
 
-    torch_trainer = PolicyTrainer(_model(), TrainerSettings(**_SETTINGS), 0)
+    torch_trainer = PolicyTrainer(_model(), TrainerSettings(**_settings()), 0)
     want = [torch_trainer.update(batch) for batch in _updates()]
     for i, (w, g) in enumerate(zip(want, got["stats"], strict=True)):
         assert w.keys() == g.keys(), i
@@ -119,7 +118,7 @@ def test_deepspeed_matches_the_torch_strategy(world, tmp_path):
             for key, value in w[name].items():
                 assert g[name][key] == pytest.approx(value, rel=1e-4, abs=1e-7), (i, name, key)
     # the clip bound acts on each adapter by its own norm, and b, without signal, takes no step
-    assert all(want[0][n]["grad_norm"] > _SETTINGS["max_grad_norm"] for n in ("a", "b"))
+    assert all(want[0][n]["grad_norm"] > _settings()["max_grad_norm"] for n in ("a", "b"))
     assert want[2]["b"]["stepped"] == 0.0 and want[2]["a"]["stepped"] == 1.0
     assert all(torch.equal(got["b"][k], v) for k, v in got["b_before_last"].items())
     for name in ("a", "b"):
