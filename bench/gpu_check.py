@@ -58,8 +58,8 @@ from bench import write_result
 from multilora import decode as decode_mod
 from multilora import layer
 from multilora.generation import GenerationRequest, SamplingParams, generate
-from multilora.model import BareModel, LoraSpec, MultiLoraModel
 from multilora.logprobs import token_logprobs
+from multilora.model import BareModel, LoraSpec, MultiLoraModel
 from multilora.trainer import PolicyTrainer, TrainerSettings, TrainSample, by_adapter, pad_samples
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
