@@ -17,7 +17,11 @@ acts on such in-batch clusters). A repeat's reward is
 
 where r is the paper's reward for its solve rate and r_new the reward the structure earned
 when it was new: a repeat never earns more than the same program did when new, and always
-less than a new program with the same solve rate.
+less than a new program with the same solve rate. Its advantage is then capped at 0
+(`never_reinforced`): a penalised reward still sits above the group's mean when most of a
+teacher's proposals are invalid (-1), and a repeat pushed up there is the collapse the
+penalty is for (in the local study's record, 69 % of 4T4S's repeats had a positive
+advantage, and one teacher proposed `return x * 2` every step).
 """
 
 from __future__ import annotations
@@ -94,6 +98,15 @@ class RepeatRegistry:
     def load_state_dict(self, state: dict) -> None:
         self.window = int(state["window"])
         self.seen = {h: (int(s), float(r)) for h, (s, r) in state["seen"].items()}
+
+
+def never_reinforced(advantages: list[float], repeats: list[str | None], penalty: float) -> list[float]:
+    """The teacher rows' advantages (aligned with `repeats`) with each repeat's capped at 0
+    when the repeat penalty is on: a repeat can be pushed down, never up. With
+    `penalty <= 0` (the paper's rewards) they are returned as they are."""
+    if penalty <= 0:
+        return list(advantages)
+    return [min(a, 0.0) if rep is not None else a for a, rep in zip(advantages, repeats, strict=True)]
 
 
 def _counted(p: Proposal) -> bool:

@@ -146,7 +146,8 @@ class TasksConfig:
     # `f` executes, names and constants abstracted) was valid in the last `repeat_window`
     # steps, or appears more than once among the step's proposals, is a repeat: its reward is
     # min(its reward, the structure's reward when it was new) - repeat_penalty, so a repeat
-    # always earns less than the same program did when new. 0: off (the paper's rewards)
+    # always earns less than the same program did when new, and its advantage is capped at 0
+    # (never pushed up: driver.collapse.never_reinforced). 0: off (the paper's rewards)
     repeat_penalty: float = 0.5
     repeat_window: int = 4
 

@@ -314,6 +314,11 @@ def submit_update(ctx: StepContext, exp: Experience) -> tuple[list[ray.ObjectRef
                          prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, reward=r.reward,
                          supplied=r.supplied, logprobs=r.logprobs) for r in rollouts]
     advantages = group_advantages([row.reward for row in rows], [row.group for row in rows])
+    # a repeat is never pushed up, whatever its group's mean (driver.collapse); a step
+    # checkpointed before the flags were kept has none
+    repeats = [w.repeat_of for w in exp.work] if exp.work else [None] * len(proposals)
+    advantages[:len(proposals)] = collapse.never_reinforced(advantages[:len(proposals)], repeats,
+                                                            ctx.cfg.tasks.repeat_penalty)
     signal = signal_report([row.member for row in rows], [row.role for row in rows], advantages,
                            valid_proposals=len(tasks), proposals=len(proposals), rollouts=len(rollouts),
                            solved_rollouts=sum(r.correct for r in rollouts),

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from driver.buffer import TaskBuffer, distinct
-from driver.collapse import CollapseWatch, RepeatRegistry, figures, flags, structure
+from driver.collapse import CollapseWatch, RepeatRegistry, WorkFlags, figures, flags, never_reinforced, structure
 from driver.records import Proposal, Task
-from driver.rewards import teacher_reward
+from driver.rewards import group_advantages, teacher_reward
 from verifier_sandbox import (handle, reads_parameters, strip_dead_code, structure_hash, structure_nodes,
                               trivial_reason, validate)
 
@@ -203,3 +203,46 @@ def test_references_are_drawn_over_distinct_structures():
     for _ in range(20):
         refs = buffer.sample("code_o", 2, rng)
         assert len({structure(r.program) for r in refs}) == 2
+
+
+def test_a_repeat_is_never_reinforced():
+    # a teacher's group as in the local study's 4T4S record: most proposals invalid (-1),
+    # so a repeat's penalised -0.5 sits above the mean and its plain advantage is positive
+    rewards = [-1.0, -1.0, -1.0, -1.0, -0.5, -0.5, 0.0]
+    repeats = [None, None, None, None, "step 3", "this step", None]
+    plain = group_advantages(rewards, ["g"] * len(rewards))
+    assert plain[4] > 0 and plain[5] > 0
+    capped = never_reinforced(plain, repeats, penalty=0.5)
+    assert capped[4] == capped[5] == 0.0
+    assert [a for a, r in zip(capped, repeats) if r is None] == [a for a, r in zip(plain, repeats) if r is None]
+    assert capped[6] > 0 > capped[0]  # a new valid program still rises, a broken one still falls
+    # in a group of good programs a repeat below the mean is still pushed down
+    down = group_advantages([0.5, 0.75, -0.25], ["g"] * 3)
+    assert never_reinforced(down, [None, None, "step 1"], penalty=0.5)[2] == down[2] < 0
+    assert never_reinforced(plain, repeats, penalty=0.0) == plain  # off: the paper's advantages
+
+
+@pytest.mark.parametrize("penalty", [0.5, 0.0])
+def test_the_update_gets_the_capped_advantages(penalty):
+    """`driver.loop.submit_update` hands the learner each repeat's advantage capped at 0."""
+    from types import SimpleNamespace
+
+    from driver.config import load_config
+    from driver.loop import Experience, submit_update
+
+    rewards = [-1.0, -1.0, -1.0, -0.5, 0.0]
+    props = [proposal(C, valid=False)] * 3 + [proposal(A), proposal(B)]
+    repeats = [None, None, None, "step 1", None]
+    work = [WorkFlags(structure(p.program), 3, False, rep) for p, rep in zip(props, repeats)]
+    exp = Experience(step=2, version=0, matches={"t0": "s0"}, proposals=props, tasks=[], rollouts=[], rates=[],
+                     teacher_rewards=rewards, seconds={}, work=work)
+    sent = []
+    cfg = load_config(None, [f"tasks.repeat_penalty={penalty}"])
+    ctx = SimpleNamespace(cfg=cfg, version=0, actors=SimpleNamespace(
+        learner=SimpleNamespace(update=lambda samples, staleness: sent.append(samples) or [])))
+    submit_update(ctx, exp)
+    advantages = [s.advantage for s in sent[0]]
+    plain = group_advantages(rewards, ["g"] * len(rewards))
+    assert plain[3] > 0
+    assert advantages == (never_reinforced(plain, repeats, penalty) if penalty else plain)
+    assert (advantages[3] == 0.0) == (penalty > 0)
