@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from bench.gpu_check import DEEPSPEED_SETTINGS, deepspeed_updates
 from multilora.deepspeed_strategy import DeepSpeedSettings, deepspeed_config, require_deepspeed
 from multilora.trainer import TrainerSettings
 
@@ -63,18 +64,6 @@ def _model():
     return model
 
 
-def _updates():
-    from bench.gpu_check import deepspeed_updates
-
-    return deepspeed_updates()
-
-
-def _settings() -> dict:
-    from bench.gpu_check import DEEPSPEED_SETTINGS
-
-    return DEEPSPEED_SETTINGS
-
-
 def _deepspeed_rank(rank: int, world: int, port: int, out: str) -> None:
     import os
 
@@ -83,10 +72,10 @@ def _deepspeed_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     from multilora.deepspeed_strategy import DeepSpeedPolicyTrainer
 
-    trainer = DeepSpeedPolicyTrainer(_model(), TrainerSettings(**_settings()), 0,
+    trainer = DeepSpeedPolicyTrainer(_model(), TrainerSettings(**DEEPSPEED_SETTINGS), 0,
                                      DeepSpeedSettings(bf16=False, overlap_comm=False))
     stats, b_before_last = [], None
-    for batch in _updates():
+    for batch in deepspeed_updates():
         b_before_last = {k: v.clone() for k, v in trainer.model.export_adapter("b").items()}
         stats.append(trainer.update(batch))
     if rank == 0:
@@ -110,15 +99,15 @@ def test_deepspeed_matches_the_torch_strategy(world, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = torch.load(out, weights_only=True)
 
-    torch_trainer = PolicyTrainer(_model(), TrainerSettings(**_settings()), 0)
-    want = [torch_trainer.update(batch) for batch in _updates()]
+    torch_trainer = PolicyTrainer(_model(), TrainerSettings(**DEEPSPEED_SETTINGS), 0)
+    want = [torch_trainer.update(batch) for batch in deepspeed_updates()]
     for i, (w, g) in enumerate(zip(want, got["stats"], strict=True)):
         assert w.keys() == g.keys(), i
         for name in w:
             for key, value in w[name].items():
                 assert g[name][key] == pytest.approx(value, rel=1e-4, abs=1e-7), (i, name, key)
     # the clip bound acts on each adapter by its own norm, and b, without signal, takes no step
-    assert all(want[0][n]["grad_norm"] > _settings()["max_grad_norm"] for n in ("a", "b"))
+    assert all(want[0][n]["grad_norm"] > DEEPSPEED_SETTINGS["max_grad_norm"] for n in ("a", "b"))
     assert want[2]["b"]["stepped"] == 0.0 and want[2]["a"]["stepped"] == 1.0
     assert all(torch.equal(got["b"][k], v) for k, v in got["b_before_last"].items())
     for name in ("a", "b"):
